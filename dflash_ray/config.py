@@ -1,0 +1,219 @@
+"""Config: OmegaConf groups under conf/, composed with Hydra's compose API and override grammar,
+validated against typed dataclasses before anything else starts.
+
+Unknown keys (`a.typo=1`) and wrong types (`train.lr=abc`) raise UserError with one line that names the
+key and suggests the closest known one. `+new=1` adds a key on purpose and is kept.
+"""
+from __future__ import annotations
+
+import difflib
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from dflash_ray.errors import UserError
+
+CONF_DIR = Path(os.environ.get("DFLASH_RAY_CONF", Path(__file__).resolve().parent.parent / "conf"))
+
+
+# ----------------------------------------------------------------------------- typed schema
+@dataclass
+class ModelConfig:
+    name: str = "tiny"
+    target_path: Optional[str] = None
+    target_config: Dict[str, Any] = field(default_factory=dict)
+    num_draft_layers: int = 5
+    target_layer_ids: Optional[List[int]] = None
+    block_size: int = 16
+    mask_token_id: Optional[int] = None
+    num_anchors: int = 512
+    loss_gamma: Optional[float] = None
+
+
+@dataclass
+class SyntheticConfig:
+    num_conversations: int = 600
+    min_tokens: int = 48
+    max_tokens: int = 512
+
+
+@dataclass
+class DataConfig:
+    input: Optional[str] = None
+    tokenizer: Optional[str] = None
+    output: Optional[str] = None
+    shards: Optional[str] = None
+    prompts: Optional[str] = None
+    shard_size: int = 10000
+    vocab_size: Optional[int] = None
+    bucket_boundaries: List[int] = field(default_factory=lambda: [512, 1024, 1536, 2304, 3296, 8192])
+    max_tokens_per_batch: int = 16384
+    overlong: str = "truncate"
+    interleave: str = "default"
+    chunk_batches: int = 64
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+
+
+@dataclass
+class ClusterConfig:
+    name: str = "local"
+    address: Optional[str] = None
+    num_cpus: Optional[int] = 4
+    object_store_memory: Optional[int] = None
+    use_gpu: bool = False
+    target_workers: int = 1
+    drafter_workers: int = 2
+    target_resource: str = "target_slot"
+    max_batches_in_flight: int = 4
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = 1
+    max_steps: Optional[int] = None
+    lr: float = 6e-4
+    weight_decay: float = 0.0
+    warmup_ratio: float = 0.04
+    grad_clip: float = 1.0
+    grad_accum: int = 1
+    checkpoint_every: int = 50
+    num_to_keep: int = 2
+    max_failures: int = 3
+    storage_path: Optional[str] = None
+    tensorboard: bool = False
+    log_every: int = 1
+
+
+@dataclass
+class RunConfig:
+    name: str = "default"
+    root: str = "runs"
+    dir: str = "runs/default"
+
+
+@dataclass
+class PlanConfig:
+    epoch: int = 0
+
+
+@dataclass
+class EvalConfig:
+    max_new_tokens: int = 64
+    max_prompts: int = 32
+
+
+@dataclass
+class RootConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    seed: int = 0
+    run: RunConfig = field(default_factory=RunConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
+    drafter: Optional[str] = None
+    target: Optional[str] = None
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+
+CHOICES = {"data.overlong": ("truncate", "drop"),
+           "data.interleave": ("default", "stride", "sequential", "random", "diversity")}
+
+
+# ----------------------------------------------------------------------------- composition
+def _flat_keys(cfg: Any, prefix: str = "") -> List[str]:
+    keys = []
+    if isinstance(cfg, DictConfig):
+        for k in cfg.keys():
+            full = f"{prefix}.{k}" if prefix else str(k)
+            keys.append(full)
+            node = cfg._get_node(k)
+            if isinstance(node, (DictConfig, ListConfig)) and not node._is_missing() and not node._is_none():
+                keys.extend(_flat_keys(node, full) if isinstance(node, DictConfig) else [])
+    return keys
+
+
+def _closest(key: str, known: List[str]) -> str:
+    best = difflib.get_close_matches(key, known, n=1, cutoff=0.5)
+    if not best:  # compare last components, e.g. `train.lrr` vs `train.lr`
+        leaf = key.rsplit(".", 1)[-1]
+        leaves = {k.rsplit(".", 1)[-1]: k for k in known}
+        m = difflib.get_close_matches(leaf, list(leaves), n=1, cutoff=0.5)
+        best = [leaves[m[0]]] if m else []
+    return f" (did you mean '{best[0]}'?)" if best else ""
+
+
+def _known_keys() -> List[str]:
+    return _flat_keys(_compose_raw([]))
+
+
+def _compose_raw(overrides: List[str]) -> DictConfig:
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    GlobalHydra.instance().clear()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        return compose(config_name="config", overrides=list(overrides))
+
+
+def compose_config(overrides: List[str] | None = None) -> DictConfig:
+    """Compose conf/config.yaml with Hydra overrides, validate types, return a resolved DictConfig."""
+    overrides = list(overrides or [])
+    try:
+        cfg = _compose_raw(overrides)
+    except Exception as e:  # Hydra's errors are multi-line; reduce to one line that names the key
+        raise UserError(_explain_compose_error(e, overrides)) from e
+    schema = OmegaConf.structured(RootConfig)
+    OmegaConf.set_struct(schema, False)  # keys added on purpose with `+key=...` are kept
+    try:
+        merged = OmegaConf.merge(schema, cfg)
+        OmegaConf.resolve(merged)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None) or "?"
+        msg = str(e).splitlines()[0]
+        raise UserError(f"config key '{key}': {msg}") from e
+    for key, allowed in CHOICES.items():
+        value = OmegaConf.select(merged, key)
+        if value not in allowed:
+            raise UserError(f"config key '{key}': '{value}' is not one of {', '.join(allowed)}")
+    return merged  # `???` values stay missing; `require()` names them where they are needed
+
+
+def _explain_compose_error(e: Exception, overrides: List[str]) -> str:
+    text = str(e)
+    m = re.search(r"full_key: ([\w.\[\]]+)", text) or re.search(r"Could not (?:override|delete) '([^']+)'", text)
+    if "Could not find '" in text or "Could not load '" in text:
+        m2 = re.search(r"Could not (?:find|load) '([^']+)'", text)
+        avail = re.search(r"Available options in '[^']+':\s*((?:\n\s+\S+)+)", text)
+        opts = ", ".join(avail.group(1).split()) if avail else ""
+        group = (m2.group(1) if m2 else "?").split("/")[0]
+        return f"config group '{group}' has no option '{(m2.group(1) if m2 else '?').split('/', 1)[-1]}'" + (
+            f" (options: {opts})" if opts else "")
+    if m:
+        key = m.group(1)
+        known = _known_keys()
+        if "not in struct" in text or "Key '" in text or "Could not override" in text or "Could not delete" in text:
+            return f"unknown config key '{key}'{_closest(key, known)}"
+        return f"config key '{key}': {text.splitlines()[0]}"
+    first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
+    return f"bad override ({' '.join(overrides)}): {first}"
+
+
+def to_yaml(cfg: DictConfig) -> str:
+    return OmegaConf.to_yaml(cfg, resolve=True)
+
+
+def require(cfg: DictConfig, key: str) -> Any:
+    """The value at `key`, or a UserError naming the key when it is unset (??? or null)."""
+    try:
+        value = OmegaConf.select(cfg, key, throw_on_missing=True)
+    except OmegaConfBaseException:
+        value = None
+    if value is None:
+        raise UserError(f"config key '{key}' must be set (e.g. {key}=...)")
+    return value

@@ -1,0 +1,112 @@
+"""Length buckets and token-budget batches, vectorised (10M samples in seconds). No torch here.
+
+A bucket holds samples with num_tokens in (boundaries[b-1], boundaries[b]]. Inside a bucket, samples are
+dealt at random into chunks of about `chunk_batches` batches; each chunk is sorted by length (longest
+first) and cut greedily so that rows x longest row <= max_tokens_per_batch. Neighbours in a sorted chunk
+have nearly equal lengths, so little is padded; the random chunks make each epoch's batches different.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+@dataclass
+class Bucketing:
+    bucket: np.ndarray       # int32 per sample, -1 = dropped
+    length: np.ndarray       # int64 per sample, after truncation
+    truncated: int
+    dropped_overlong: int
+    dropped_short: int
+
+
+def assign_buckets(num_tokens: np.ndarray, boundaries, *, overlong: str = "truncate",
+                   min_tokens: int = 0) -> Bucketing:
+    """Bucket id of every sample. Over the last boundary: truncated to it or dropped; under min_tokens
+    (too short to hold 2 blocks): dropped. Both are counted."""
+    bounds = np.asarray(boundaries, dtype=np.int64)
+    lengths = np.asarray(num_tokens, dtype=np.int64)
+    over = lengths > bounds[-1]
+    short = lengths < max(min_tokens, 1)
+    if overlong == "truncate":
+        lengths = np.minimum(lengths, bounds[-1])
+        dropped = short
+    else:
+        dropped = short | over
+    bucket = np.searchsorted(bounds, lengths, side="left").astype(np.int32)
+    bucket[dropped] = -1
+    return Bucketing(
+        bucket=bucket,
+        length=lengths,
+        truncated=int((over & ~short).sum()) if overlong == "truncate" else 0,
+        dropped_overlong=int((over & ~short).sum()) if overlong != "truncate" else 0,
+        dropped_short=int(short.sum()),
+    )
+
+
+@dataclass
+class Batches:
+    """Batches in CSR form: batch i holds members[offsets[i]:offsets[i+1]] (indices into the samples),
+    longest first. Batches are grouped by bucket; `shuffled` lists them grouped by bucket again, in a
+    fresh random order inside each bucket (the order a plan draws them in)."""
+    bucket: np.ndarray    # int32 [num_batches]
+    offsets: np.ndarray   # int64 [num_batches + 1]
+    members: np.ndarray   # int64 [num_samples kept]
+    lengths: np.ndarray   # int64 [num_samples kept], members' lengths
+    max_len: np.ndarray   # int64 [num_batches], the padded row length
+    shuffled: np.ndarray  # int64 [num_batches]
+
+    @property
+    def sizes(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+
+def form_batches(length: np.ndarray, bucket: np.ndarray, boundaries, max_tokens: int,
+                 chunk_batches: int, rng: np.random.Generator) -> Batches:
+    bounds = np.asarray(boundaries, dtype=np.int64)
+    k = bounds.size
+    dropped = bucket < 0
+    keep = np.flatnonzero(~dropped) if dropped.any() else None
+    b = (bucket if keep is None else bucket[keep]).astype(np.int64)
+    ln = length if keep is None else length[keep]
+    n = b.size
+    # chunk count per bucket: about chunk_batches batches of a typical length
+    lower = np.concatenate([[0], bounds[:-1]])
+    typical = np.maximum(1, max_tokens // np.maximum(1, (lower + bounds) // 2))
+    nchunks = np.maximum(1, -(-np.bincount(b, minlength=k) // (chunk_batches * typical)))
+    chunk = (rng.random(n) * nchunks[b]).astype(np.int64)
+    # one sort of packed keys (bucket, chunk, longest first, sample index): sorting values is about
+    # twice as fast as argsort, and the index rides along in the low bits
+    ib, lb, cb = max(1, (n - 1).bit_length()), int(bounds[-1]).bit_length(), int(nchunks.max()).bit_length()
+    if ib + lb + cb + int(k).bit_length() <= 63:
+        key = (b << (cb + lb + ib)) | (chunk << (lb + ib)) | ((bounds[-1] - ln) << ib) | np.arange(n)
+        key.sort()
+        order = key & ((1 << ib) - 1)
+        sorted_len = bounds[-1] - ((key >> ib) & ((1 << lb) - 1))
+        seg_key = key >> (lb + ib)
+        del key
+    else:  # too many bits for one int64: a slower multi-key sort
+        order = np.lexsort((-ln, chunk, b))
+        sorted_len = ln[order]
+        seg_key = b[order] * (int(nchunks.max()) + 1) + chunk[order]
+    seg_start = np.flatnonzero(np.concatenate([[True], seg_key[1:] != seg_key[:-1]]))
+    seg_end = np.append(seg_start[1:], n)
+    # greedy cut, all segments at once: a batch starting at i takes budget // len[i] rows (its longest)
+    starts = []
+    cur, end = seg_start, seg_end
+    while cur.size:
+        starts.append(cur)
+        nxt = np.minimum(cur + np.maximum(1, max_tokens // sorted_len[cur]), end)
+        live = nxt < end
+        cur, end = nxt[live], end[live]
+    start = np.sort(np.concatenate(starts)) if starts else np.zeros(0, dtype=np.int64)
+    batch_bucket = b[order[start]].astype(np.int32)
+    return Batches(
+        bucket=batch_bucket,
+        offsets=np.append(start, n).astype(np.int64),
+        members=order if keep is None else keep[order],
+        lengths=sorted_len,
+        max_len=sorted_len[start],
+        shuffled=np.argsort(batch_bucket + rng.random(start.size)),
+    )

@@ -1,0 +1,193 @@
+"""Parquet shards: the schema, atomic writes, and reads that reject bad input with one line naming the
+file (and row) and what is wrong.
+
+Schema: sample_id int64 (unique over all shards), input_ids list<int32>, loss_mask list<int8>
+(1 on assistant tokens), num_tokens int32.
+"""
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from dflash_ray.errors import UserError
+
+SCHEMA = pa.schema([
+    ("sample_id", pa.int64()),
+    ("input_ids", pa.list_(pa.int32())),
+    ("loss_mask", pa.list_(pa.int8())),
+    ("num_tokens", pa.int32()),
+])
+_LIST_COLUMNS = ("input_ids", "loss_mask")
+
+
+def list_shards(directory: str | os.PathLike) -> list[Path]:
+    d = Path(directory)
+    if not d.exists():
+        raise UserError(f"{d}: shard directory does not exist")
+    if not d.is_dir():
+        raise UserError(f"{d}: not a directory")
+    files = sorted(p for p in d.glob("*.parquet") if p.is_file())
+    if not files:
+        raise UserError(f"{d}: no .parquet shards in directory")
+    return files
+
+
+def _open(path: Path) -> pq.ParquetFile:
+    try:
+        return pq.ParquetFile(path)
+    except Exception as e:  # pyarrow raises several types for corrupt files
+        raise UserError(f"{path}: not a readable parquet file ({str(e).splitlines()[0]})") from e
+
+
+def _check_schema(path: Path, schema: pa.Schema, columns: Iterable[str]) -> None:
+    for name in columns:
+        if name not in schema.names:
+            raise UserError(f"{path}: missing column '{name}' (has: {', '.join(schema.names)})")
+        got = schema.field(name).type
+        want = SCHEMA.field(name).type
+        ok = (pa.types.is_integer(got) if not pa.types.is_list(want)
+              else (pa.types.is_list(got) or pa.types.is_large_list(got)) and pa.types.is_integer(got.value_type))
+        if not ok:
+            raise UserError(f"{path}: column '{name}' has type {got}, expected {want}")
+
+
+def _read(path: Path, columns: list[str]) -> pa.Table:
+    pf = _open(path)
+    _check_schema(path, pf.schema_arrow, columns)
+    if pf.metadata.num_rows == 0:
+        raise UserError(f"{path}: empty shard (0 rows)")
+    try:
+        return pf.read(columns=columns)
+    except Exception as e:
+        raise UserError(f"{path}: unreadable data ({str(e).splitlines()[0]})") from e
+
+
+def _first_row(mask) -> int:
+    return int(np.flatnonzero(np.asarray(mask))[0])
+
+
+def read_lengths(directory) -> tuple[np.ndarray, np.ndarray, list[tuple[Path, int]]]:
+    """sample_id and num_tokens of every sample (only those two columns are read), checked for
+    duplicates and negative lengths. Also returns (file, rows) per shard."""
+    ids, lens, files = [], [], []
+    for path in list_shards(directory):
+        t = _read(path, ["sample_id", "num_tokens"])
+        sid = t.column("sample_id").to_numpy().astype(np.int64)
+        nt = t.column("num_tokens").to_numpy().astype(np.int64)
+        if (nt < 0).any():
+            raise UserError(f"{path}: row {_first_row(nt < 0)}: negative num_tokens")
+        ids.append(sid)
+        lens.append(nt)
+        files.append((path, t.num_rows))
+    sample_ids = np.concatenate(ids)
+    _check_unique(sample_ids, files)
+    return sample_ids, np.concatenate(lens), files
+
+
+def _check_unique(sample_ids: np.ndarray, files: list[tuple[Path, int]]) -> None:
+    order = np.argsort(sample_ids, kind="stable")
+    dup = np.flatnonzero(sample_ids[order][1:] == sample_ids[order][:-1])
+    if dup.size == 0:
+        return
+    first, second = int(order[dup[0]]), int(order[dup[0] + 1])
+    bounds = np.cumsum([0] + [n for _, n in files])
+
+    def where(i):
+        f = int(np.searchsorted(bounds, i, side="right") - 1)
+        return files[f][0], i - bounds[f]
+
+    p2, r2 = where(second)
+    p1, r1 = where(first)
+    raise UserError(f"{p2}: row {r2}: duplicate sample_id {int(sample_ids[second])} (first seen in {p1} row {r1})")
+
+
+def validate_tokens(path: Path, t: pa.Table, vocab_size: int | None) -> None:
+    """Per-row checks of the token columns: lengths agree with num_tokens, ids in range, mask 0/1."""
+    ids, mask = t.column("input_ids"), t.column("loss_mask")
+    n_ids = pc.list_value_length(ids).to_numpy(zero_copy_only=False)
+    n_mask = pc.list_value_length(mask).to_numpy(zero_copy_only=False)
+    nt = t.column("num_tokens").to_numpy().astype(np.int64)
+    if (n_ids != n_mask).any():
+        r = _first_row(n_ids != n_mask)
+        raise UserError(f"{path}: row {r}: input_ids has {n_ids[r]} tokens but loss_mask has {n_mask[r]}")
+    if (n_ids != nt).any():
+        r = _first_row(n_ids != nt)
+        raise UserError(f"{path}: row {r}: num_tokens is {nt[r]} but input_ids has {n_ids[r]} tokens")
+    row_of = np.repeat(np.arange(t.num_rows), n_ids)
+    flat = pc.list_flatten(ids).to_numpy(zero_copy_only=False).astype(np.int64)
+    if flat.size and flat.min() < 0:
+        raise UserError(f"{path}: row {row_of[_first_row(flat < 0)]}: negative token id {flat.min()}")
+    if vocab_size is not None and flat.size and flat.max() >= vocab_size:
+        bad = _first_row(flat >= vocab_size)
+        raise UserError(f"{path}: row {row_of[bad]}: token id {flat[bad]} is out of vocabulary (size {vocab_size})")
+    fm = pc.list_flatten(mask).to_numpy(zero_copy_only=False)
+    if fm.size and ((fm != 0) & (fm != 1)).any():
+        raise UserError(f"{path}: row {row_of[_first_row((fm != 0) & (fm != 1))]}: loss_mask values must be 0 or 1")
+
+
+def read_all(directory, vocab_size: int | None = None) -> pa.Table:
+    """Every column of every shard, fully validated, as one table (for the token store)."""
+    tables, files = [], []
+    for path in list_shards(directory):
+        t = _read(path, list(SCHEMA.names))
+        validate_tokens(path, t, vocab_size)
+        tables.append(t.select(SCHEMA.names).cast(SCHEMA))
+        files.append((path, t.num_rows))
+    table = pa.concat_tables(tables)
+    _check_unique(table.column("sample_id").to_numpy(), files)
+    return table
+
+
+def check_shards(directory, vocab_size: int | None = None) -> int:
+    """Validate every shard fully; returns the number of samples."""
+    return read_all(directory, vocab_size).num_rows
+
+
+# ----------------------------------------------------------------------------- atomic writes
+def atomic_dir(final: str | os.PathLike):
+    """A context manager yielding a temporary sibling directory that replaces `final` only on success."""
+    return _AtomicDir(Path(final))
+
+
+class _AtomicDir:
+    def __init__(self, final: Path):
+        self.final = final
+        self.tmp = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
+
+    def __enter__(self) -> Path:
+        self.final.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp.mkdir()
+        return self.tmp
+
+    def __exit__(self, exc_type, exc, tb):
+        if exc_type is not None:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            return False
+        if self.final.exists():
+            old = self.final.parent / f".{self.final.name}.old-{uuid.uuid4().hex[:8]}"
+            os.replace(self.final, old)
+            os.replace(self.tmp, self.final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(self.tmp, self.final)
+        return False
+
+
+def write_table_atomic(table: pa.Table, path: str | os.PathLike) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.parent / f".{path.name}.tmp-{uuid.uuid4().hex[:8]}"
+    try:
+        pq.write_table(table, tmp)
+        os.replace(tmp, path)
+    finally:
+        if tmp.exists():
+            tmp.unlink()

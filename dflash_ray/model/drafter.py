@@ -1,0 +1,272 @@
+"""The DFlash drafter: a few Qwen3-style layers that fill a block of B tokens in one forward pass.
+
+    context = hidden_norm(fc(concat of the target's tapped layers))        [S, H], shared by all layers
+    block   = embed([anchor token, MASK x (B-1)])                          [B, H], the target's frozen embedding
+    layers  : queries from the block; keys/values = [k/v_proj(context); k/v_proj(block)]
+    logits  = norm(block) @ lm_head^T                                      the target's frozen head
+
+Training runs up to `num_anchors` blocks per sample in one pass (mask rule in attention.py); inference
+(`extend_context` / `draft_logits`) runs one block against cached context keys/values, as the reference does.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from transformers import Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+
+from .attention import attend_all, make_training_attend
+from .layers import DrafterLayer, RMSNorm
+from .loss import LossOutput, chunked_head_ce, default_gamma, slot_weights
+from .target import default_target_layer_ids
+
+# Qwen3 fields the drafter copies from its target (the drafter has the target's width, not its depth).
+_TARGET_FIELDS = (
+    "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+    "hidden_act", "max_position_embeddings", "rms_norm_eps", "rope_parameters", "rope_theta", "rope_scaling",
+    "attention_bias", "attention_dropout", "vocab_size", "initializer_range", "tie_word_embeddings",
+    "bos_token_id", "eos_token_id", "pad_token_id",
+)
+
+
+def _get(cfg, key, default=None):
+    """Read a key from a dict, an OmegaConf node or an object; missing or None -> default."""
+    if cfg is None:
+        return default
+    value = cfg.get(key, default) if hasattr(cfg, "get") else getattr(cfg, key, default)
+    return default if value is None else value
+
+
+def drafter_config(target_hf_config, num_draft_layers: int, block_size: int, mask_token_id: int,
+                   target_layer_ids: list[int] | None = None) -> Qwen3Config:
+    """The drafter's Qwen3Config, carrying the DFlash fields both at top level and in `dflash_config`
+    (the reference reads either: `_draft_value`)."""
+    tcfg = target_hf_config.to_dict() if hasattr(target_hf_config, "to_dict") else dict(target_hf_config)
+    tcfg = tcfg.get("text_config", tcfg) if "hidden_size" not in tcfg else tcfg
+    num_target_layers = int(tcfg["num_hidden_layers"])
+    if target_layer_ids is None:
+        target_layer_ids = default_target_layer_ids(num_target_layers, num_draft_layers)
+    target_layer_ids = [int(i) for i in target_layer_ids]
+    if min(target_layer_ids) < 0 or max(target_layer_ids) >= num_target_layers:
+        raise ValueError(f"target_layer_ids {target_layer_ids} out of range for {num_target_layers} target layers")
+    fields = {k: tcfg[k] for k in _TARGET_FIELDS if tcfg.get(k) is not None}
+    dflash = {"block_size": int(block_size), "mask_token_id": int(mask_token_id),
+              "target_layer_ids": target_layer_ids}
+    return Qwen3Config(
+        **fields,
+        num_hidden_layers=int(num_draft_layers),
+        use_sliding_window=False,
+        architectures=["DFlashDraftModel"],
+        num_target_layers=num_target_layers,
+        dflash_config=dict(dflash),
+        **dflash,
+    )
+
+
+@dataclass
+class DraftContextCache:
+    """Per-layer context keys/values for inference; context positions 0..length-1."""
+    kv: list = field(default_factory=list)
+    length: int = 0
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, config: Qwen3Config, embed_weight: torch.Tensor, head_weight: torch.Tensor,
+                 num_anchors: int = 512, loss_gamma: float | None = None, attention_backend: str = "auto",
+                 ce_chunk_rows: int = 1024):
+        super().__init__()
+        self.config = config
+        dflash = getattr(config, "dflash_config", None) or {}
+        self.block_size = int(dflash.get("block_size", getattr(config, "block_size", 16)))
+        self.mask_token_id = int(dflash.get("mask_token_id", getattr(config, "mask_token_id", None)))
+        self.target_layer_ids = list(dflash.get("target_layer_ids", getattr(config, "target_layer_ids", None)))
+        self.num_target_layers = int(config.num_target_layers)
+        self.num_anchors = int(num_anchors)
+        self.loss_gamma = float(loss_gamma) if loss_gamma is not None else default_gamma(self.block_size)
+        self.attention_backend = attention_backend
+        self.ce_chunk_rows = int(ce_chunk_rows)
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2, got {self.block_size}")
+
+        h = config.hidden_size
+        self.layers = nn.ModuleList(DrafterLayer(config) for _ in range(config.num_hidden_layers))
+        self.fc = nn.Linear(len(self.target_layer_ids) * h, h, bias=False)
+        self.hidden_norm = RMSNorm(h, eps=config.rms_norm_eps)
+        self.norm = RMSNorm(h, eps=config.rms_norm_eps)
+        self.rotary_emb = Qwen3RotaryEmbedding(config)
+
+        # The target's embedding and head: frozen, non-persistent buffers, so they are not parameters
+        # (the optimizer never sees them), not in state_dict (checkpoints and exports stay small), and
+        # listed for DDP to skip (it would otherwise broadcast buffers on every forward).
+        if embed_weight.shape[1] != h or head_weight.shape[1] != h:
+            raise ValueError(f"embedding/head width {embed_weight.shape[1]}/{head_weight.shape[1]} != hidden {h}")
+        self.tied = head_weight is embed_weight or (
+            head_weight.shape == embed_weight.shape and head_weight.data_ptr() == embed_weight.data_ptr())
+        self.register_buffer("embed_weight", embed_weight.detach(), persistent=False)
+        if not self.tied:
+            self.register_buffer("lm_head_weight", head_weight.detach(), persistent=False)
+        self._ddp_params_and_buffers_to_ignore = ["embed_weight", "lm_head_weight"]
+        self._init_weights(config.initializer_range)
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        return self.embed_weight if self.tied else self.lm_head_weight
+
+    def _init_weights(self, std: float):
+        # As Hugging Face initialises Qwen3: normal(0, initializer_range) linears, unit norms.
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+            elif isinstance(module, RMSNorm):
+                nn.init.ones_(module.weight)
+
+    def trainable_parameters(self):
+        return [p for p in self.parameters() if p.requires_grad]
+
+    # ------------------------------------------------------------------ shared pieces
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(ids, self.embed_weight).to(self.fc.weight.dtype)
+
+    def context_hidden(self, context: torch.Tensor) -> torch.Tensor:
+        if context.dtype != self.fc.weight.dtype and not torch.is_autocast_enabled(context.device.type):
+            context = context.to(self.fc.weight.dtype)
+        return self.hidden_norm(self.fc(context))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Full logits through the frozen head (inference and tests; training uses the chunked loss)."""
+        head = self.head_weight
+        return (hidden.to(head.dtype) @ head.t()).float()
+
+    # ------------------------------------------------------------------ training
+    def sample_anchors(self, loss_mask: torch.Tensor, lengths: torch.Tensor, generator: torch.Generator):
+        """Up to num_anchors distinct anchors per sample, sorted, where loss_mask[a] and loss_mask[a+1]
+        hold, a >= 1 (the block has context) and a+1 < length. Returns (anchors [B, N], valid [B, N]);
+        padding anchors are 0 and invalid. Sampling runs on the generator's device."""
+        device = loss_mask.device
+        lm = loss_mask.bool()
+        bsz, seq = lm.shape
+        pos = torch.arange(seq - 1, device=device)
+        ok = lm[:, :-1] & lm[:, 1:] & (pos[None] >= 1) & (pos[None] + 1 < lengths.to(device)[:, None])
+        ok = ok.to(generator.device)
+        chosen = []
+        for b in range(bsz):
+            cand = ok[b].nonzero()[:, 0]
+            if cand.numel() > self.num_anchors:
+                pick = torch.randperm(cand.numel(), generator=generator, device=generator.device)
+                cand = cand[pick[: self.num_anchors]].sort().values
+            chosen.append(cand)
+        n = max([c.numel() for c in chosen] + [1])
+        anchors = torch.zeros(bsz, n, dtype=torch.long)
+        valid = torch.zeros(bsz, n, dtype=torch.bool)
+        for b, cand in enumerate(chosen):
+            anchors[b, : cand.numel()] = cand.cpu()
+            valid[b, : cand.numel()] = True
+        return anchors.to(device), valid.to(device)
+
+    def forward(self, input_ids: torch.Tensor, context: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor:
+        """All blocks of all samples in one pass. input_ids [B, S], context [B, S, n*H], anchors [B, N]
+        -> final-normed hidden states [B, N, block_size, H]."""
+        bsz, seq = input_ids.shape
+        n, bs = anchors.shape[1], self.block_size
+        block_ids = torch.full((bsz, n, bs), self.mask_token_id, dtype=torch.long, device=input_ids.device)
+        block_ids[:, :, 0] = input_ids.gather(1, anchors)
+        x = self.embed(block_ids.view(bsz, n * bs))
+        ctx_h = self.context_hidden(context)
+
+        ctx_pos = torch.arange(seq, device=input_ids.device).expand(bsz, seq)
+        blk_pos = (anchors[:, :, None] + torch.arange(bs, device=anchors.device)).view(bsz, n * bs)
+        ctx_cos, ctx_sin = self.rotary_emb(ctx_h, ctx_pos)
+        cos, sin = self.rotary_emb(x, blk_pos)
+        attend = make_training_attend(anchors, seq, bs, self.attention_backend)
+        for layer in self.layers:
+            x = layer(x, ctx_h, ctx_cos, ctx_sin, cos, sin, attend)
+        return self.norm(x).view(bsz, n, bs, -1)
+
+    def block_loss(self, hidden, input_ids, loss_mask, lengths, anchors, valid) -> LossOutput:
+        """Weighted CE of slots 1..B-1 against x[a+k], supervised where the anchor is valid, a+k < length
+        and loss_mask[a+k]."""
+        bsz, seq = input_ids.shape
+        k = torch.arange(1, self.block_size, device=input_ids.device)
+        tgt = anchors[:, :, None] + k                                     # [B, N, B-1]
+        tgt_c = tgt.clamp(max=seq - 1).view(bsz, -1)
+        labels = input_ids.gather(1, tgt_c).view_as(tgt)
+        sup = (valid[:, :, None] & (tgt < lengths.to(tgt.device)[:, None, None])
+               & loss_mask.gather(1, tgt_c).view_as(tgt).bool())
+        w = slot_weights(self.block_size, self.loss_gamma).to(hidden.device).expand_as(tgt)
+
+        rows = hidden[:, :, 1:, :][sup]                                    # [M, H], supervised slots only
+        loss_sum, correct = chunked_head_ce(rows, self.head_weight, labels[sup], w[sup], self.ce_chunk_rows)
+        hit = torch.zeros_like(sup)
+        hit[sup] = correct
+        return LossOutput(
+            loss_sum=loss_sum,
+            weight_sum=w[sup].sum(),
+            slot_correct=hit.sum((0, 1)),
+            slot_count=sup.sum((0, 1)),
+            prefix_correct=hit.long().cumprod(-1).sum((0, 1)),
+            num_blocks=sup[:, :, 0].sum(),
+        )
+
+    def training_loss(self, input_ids, loss_mask, context, lengths, generator: torch.Generator) -> LossOutput:
+        """One training forward: sample anchors from `generator`, run all blocks, return the loss parts.
+        input_ids/loss_mask [B, S] right-padded, context [B, S, n*H], lengths [B]."""
+        anchors, valid = self.sample_anchors(loss_mask, lengths, generator)
+        hidden = self(input_ids, context, anchors)
+        return self.block_loss(hidden, input_ids, loss_mask, lengths, anchors, valid)
+
+    # ------------------------------------------------------------------ inference (one sequence)
+    def new_cache(self) -> DraftContextCache:
+        return DraftContextCache()
+
+    @torch.no_grad()
+    def extend_context(self, cache: DraftContextCache, features: torch.Tensor) -> DraftContextCache:
+        """Append target features [1, n, n_tap*H] for positions cache.length .. cache.length+n-1."""
+        ctx_h = self.context_hidden(features)
+        pos = torch.arange(cache.length, cache.length + features.shape[1], device=features.device)[None]
+        cos, sin = self.rotary_emb(ctx_h, pos)
+        for i, layer in enumerate(self.layers):
+            k, v = layer.self_attn.keys_values(ctx_h, cos, sin)
+            if len(cache.kv) <= i:
+                cache.kv.append((k, v))
+            else:
+                pk, pv = cache.kv[i]
+                cache.kv[i] = (torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2))
+        cache.length += features.shape[1]
+        return cache
+
+    @torch.no_grad()
+    def draft_hidden(self, cache: DraftContextCache, block_ids: torch.Tensor) -> torch.Tensor:
+        """Hidden states [1, L, H] of a block [1, L] at positions cache.length.., seeing all cached context."""
+        x = self.embed(block_ids)
+        pos = torch.arange(cache.length, cache.length + block_ids.shape[1], device=block_ids.device)[None]
+        cos, sin = self.rotary_emb(x, pos)
+        for layer, kv in zip(self.layers, cache.kv):
+            x = layer(x, None, None, None, cos, sin, attend_all, ctx_kv=kv)
+        return self.norm(x)
+
+
+def build_drafter(model_cfg, target_hf_config, embed_weight, head_weight, mask_token_id: int,
+                  seed: int | None = None, attention_backend: str = "auto") -> DFlashDrafter:
+    """A fresh drafter for a target. model_cfg keys: num_draft_layers, target_layer_ids (None = reference
+    formula), block_size, num_anchors, loss_gamma (None = recipe default for the block size)."""
+    config = drafter_config(
+        target_hf_config,
+        num_draft_layers=int(_get(model_cfg, "num_draft_layers", 5)),
+        block_size=int(_get(model_cfg, "block_size", 16)),
+        mask_token_id=int(mask_token_id),
+        target_layer_ids=_get(model_cfg, "target_layer_ids", None),
+    )
+    gamma = _get(model_cfg, "loss_gamma", None)
+    kwargs = dict(num_anchors=int(_get(model_cfg, "num_anchors", 512)),
+                  loss_gamma=None if gamma is None else float(gamma), attention_backend=attention_backend)
+    if seed is None:
+        return DFlashDrafter(config, embed_weight, head_weight, **kwargs)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return DFlashDrafter(config, embed_weight, head_weight, **kwargs)

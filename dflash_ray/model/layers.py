@@ -1,0 +1,104 @@
+"""Qwen3-style drafter decoder layer: RMSNorm, GQA attention with q/k norms and RoPE, SwiGLU MLP.
+
+The one DFlash twist is in the attention: keys/values are [k/v_proj(context); k/v_proj(block)] with the
+layer's own projections, and queries come from the block only. The context (the target's features after
+`fc` + `hidden_norm`) is the same tensor for every layer; it is never transformed by the layers.
+Parameter names match the reference `dflash.model.DFlashDraftModel`, so state dicts are interchangeable.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class RMSNorm(nn.Module):
+    """Qwen3RMSNorm: normalise in fp32, scale in the input dtype (same numbers as transformers)."""
+
+    def __init__(self, dim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.to(torch.float32)
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((-x2, x1), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [B, heads, L, D]; cos/sin [B, L, D] for the same positions."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    return x * cos + rotate_half(x) * sin
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu"):
+        super().__init__()
+        if hidden_act != "silu":
+            raise ValueError(f"drafter MLP supports hidden_act='silu' only, got {hidden_act!r}")
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DrafterAttention(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        bias = bool(getattr(config, "attention_bias", False))
+        h, d = config.hidden_size, self.head_dim
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=bias)
+        self.q_norm = RMSNorm(d, eps=config.rms_norm_eps)
+        self.k_norm = RMSNorm(d, eps=config.rms_norm_eps)
+
+    def keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """K (normed, rotated) and V, [B, kv_heads, L, D], for tokens x [B, L, H] at the positions of cos/sin.
+
+        Every op is per token, so context K/V can be computed once and cached at inference."""
+        bsz, length, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(bsz, length, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(bsz, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        return apply_rope(k, cos, sin), v
+
+    def forward(self, x, ctx_k, ctx_v, cos, sin, attend) -> torch.Tensor:
+        """x: block tokens [B, Q, H] (already input-normed); ctx_k/ctx_v: context K/V [B, kv, S, D];
+        cos/sin for the block positions; `attend(q, k, v)` applies the visibility rule."""
+        bsz, q_len, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(bsz, q_len, self.num_heads, self.head_dim)).transpose(1, 2)
+        q = apply_rope(q, cos, sin)
+        k_blk, v_blk = self.keys_values(x, cos, sin)
+        k = torch.cat([ctx_k, k_blk], dim=2)  # context first, as the reference (and its KV cache) orders them
+        v = torch.cat([ctx_v, v_blk], dim=2)
+        out = attend(q, k, v)  # [B, heads, Q, D]
+        return self.o_proj(out.transpose(1, 2).reshape(bsz, q_len, -1))
+
+
+class DrafterLayer(nn.Module):
+    def __init__(self, config):
+        super().__init__()
+        self.self_attn = DrafterAttention(config)
+        self.mlp = MLP(config.hidden_size, config.intermediate_size, getattr(config, "hidden_act", "silu"))
+        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, x, ctx_h, ctx_cos, ctx_sin, cos, sin, attend, ctx_kv=None) -> torch.Tensor:
+        """ctx_h: the shared context [B, S, H] at ctx_cos/ctx_sin positions, or ctx_kv: its cached K/V."""
+        if ctx_kv is None:
+            ctx_kv = self.self_attn.keys_values(ctx_h, ctx_cos, ctx_sin)
+        x = x + self.self_attn(self.input_layernorm(x), *ctx_kv, cos, sin, attend)
+        return x + self.mlp(self.post_attention_layernorm(x))

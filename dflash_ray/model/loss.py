@@ -1,0 +1,122 @@
+"""The DFlash training loss: decayed-weight cross-entropy over block slots, through the frozen LM head in chunks.
+
+Slot k (1..B-1) of the block at anchor a predicts x[a+k], with weight w_k = exp(-(k-1)/gamma): early slots
+matter more because acceptance stops at the first miss. The [positions x vocab] logits never exist at once:
+512 anchors x 15 slots x 151,936 vocab in fp32 would be 4.7 GB per sample. `ChunkedHeadCE` computes logits
+chunk by chunk and, because the head is frozen, the gradient w.r.t. the hidden states in the same pass,
+keeping only that gradient ([M, H]) for backward: two head matmuls per chunk, no logits stored.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+DEFAULT_GAMMA = {16: 7.0, 10: 5.0, 8: 4.0}
+
+
+def default_gamma(block_size: int) -> float:
+    """7 for B=16, 5 for B=10, 4 for B=8 (the DFlash recipe); otherwise interpolate linearly in B
+    through those points (clamped at 1), which keeps the weight of the last slot in the same range."""
+    if block_size in DEFAULT_GAMMA:
+        return DEFAULT_GAMMA[block_size]
+    if block_size < 10:
+        gamma = 4.0 + (block_size - 8) * 0.5
+    else:
+        gamma = 5.0 + (block_size - 10) / 3.0
+    return max(1.0, gamma)
+
+
+def slot_weights(block_size: int, gamma: float) -> torch.Tensor:
+    """w_k = exp(-(k-1)/gamma) for k = 1..B-1, shape [B-1]."""
+    k = torch.arange(1, block_size, dtype=torch.float32)
+    return torch.exp(-(k - 1) / gamma)
+
+
+def expected_acceptance_length(slot_accuracy) -> float:
+    """tau implied by per-slot accuracies p_1..p_{B-1}: 1 + sum_k prod_{j<=k} p_j.
+
+    Exact if slot errors were independent; with `LossOutput.prefix_correct` use `measured_acceptance_length`."""
+    acc = torch.as_tensor(slot_accuracy, dtype=torch.float64).clamp(0, 1)
+    return float(1.0 + torch.cumprod(acc, 0).sum())
+
+
+@dataclass
+class LossOutput:
+    loss_sum: torch.Tensor       # scalar, sum over supervised slots of w_k * CE (with grad), not normalised
+    weight_sum: torch.Tensor     # scalar, sum of the weights that entered loss_sum
+    slot_correct: torch.Tensor   # [B-1] argmax-correct counts per slot 1..B-1
+    slot_count: torch.Tensor     # [B-1] supervised counts per slot
+    prefix_correct: torch.Tensor | None = None  # [B-1] blocks whose slots 1..k were all supervised and correct
+    num_blocks: torch.Tensor | None = None       # scalar, blocks with slot 1 supervised (valid anchors)
+
+    @property
+    def loss(self) -> torch.Tensor:
+        """Local normalised loss (the runtime all-reduces weight_sum and divides instead)."""
+        return self.loss_sum / self.weight_sum.clamp_min(1e-12)
+
+    def slot_accuracy(self) -> torch.Tensor:
+        return self.slot_correct.float() / self.slot_count.float().clamp_min(1)
+
+    def expected_acceptance_length(self) -> float:
+        return expected_acceptance_length(self.slot_accuracy())
+
+    def measured_acceptance_length(self) -> float:
+        """1 + mean over blocks of the number of leading correct slots: what greedy verification against
+        these labels would accept (on target-regenerated data the labels are the target's greedy tokens)."""
+        if self.prefix_correct is None or self.num_blocks is None:
+            return self.expected_acceptance_length()
+        return float(1.0 + self.prefix_correct.sum().double() / self.num_blocks.double().clamp_min(1))
+
+
+class ChunkedHeadCE(torch.autograd.Function):
+    """sum_i w_i * CE(hidden_i @ head^T, label_i) over rows, in row chunks; the head gets no gradient.
+
+    Returns (loss_sum, correct[M]). Backward returns the gradient computed in forward, scaled."""
+
+    @staticmethod
+    def forward(ctx, hidden, head, labels, weights, chunk_rows):
+        needs_grad = ctx.needs_input_grad[0]
+        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        correct = torch.empty(hidden.shape[0], dtype=torch.bool, device=hidden.device)
+        grad = torch.empty_like(hidden) if needs_grad else None
+        for lo in range(0, hidden.shape[0], chunk_rows):
+            hi = min(lo + chunk_rows, hidden.shape[0])
+            h = hidden[lo:hi].to(head.dtype)
+            logits = (h @ head.t()).float()  # [chunk, V], the only vocab-sized tensor alive
+            lbl, w = labels[lo:hi], weights[lo:hi].float()
+            lse = torch.logsumexp(logits, dim=-1)
+            picked = logits.gather(1, lbl[:, None])[:, 0]
+            loss += (w * (lse - picked)).sum()
+            correct[lo:hi] = logits.argmax(dim=-1) == lbl
+            if needs_grad:
+                # d CE / d logits = softmax - onehot, scaled by the row weight; in place to save memory.
+                probs = logits.sub_(lse[:, None]).exp_()
+                probs[torch.arange(hi - lo, device=probs.device), lbl] -= 1.0
+                probs.mul_(w[:, None])
+                grad[lo:hi] = (probs.to(head.dtype) @ head).to(hidden.dtype)
+        if needs_grad:
+            ctx.save_for_backward(grad)
+        ctx.mark_non_differentiable(correct)
+        return loss, correct
+
+    @staticmethod
+    def backward(ctx, grad_loss, _grad_correct):
+        (grad,) = ctx.saved_tensors
+        return grad * grad_loss.to(grad.dtype), None, None, None, None
+
+
+def chunked_head_ce(hidden, head, labels, weights, chunk_rows: int = 1024):
+    """hidden [M, H], head [V, H] (frozen), labels [M], weights [M] -> (loss_sum, correct [M])."""
+    if hidden.shape[0] == 0:
+        zero = hidden.sum() * 0.0  # keeps the graph connected so DDP sees every parameter used
+        return zero.float(), torch.zeros(0, dtype=torch.bool, device=hidden.device)
+    return ChunkedHeadCE.apply(hidden, head.detach(), labels, weights, max(1, int(chunk_rows)))
+
+
+def reference_head_ce(hidden, head, labels, weights):
+    """The plain, fully materialised version, for tests."""
+    logits = (hidden.to(head.dtype) @ head.t()).float()
+    ce = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
+    return (weights.float() * ce).sum(), logits.argmax(-1) == labels
+

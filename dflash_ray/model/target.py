@@ -1,0 +1,190 @@
+"""The frozen target LLM: load or build it, and capture the context features the drafter conditions on.
+
+The drafter needs only (a) the hidden states of a few tapped layers, concatenated per token, and (b) the
+target's embedding and LM head. `TargetFeatureExtractor` produces (a) exactly as the reference
+`dflash.model.extract_context_feature(output.hidden_states, layer_ids)` would, but runs the decoder only up
+to the last tapped layer, never the LM head, and keeps no other layer's hidden states.
+`load_embed_and_head` reads (b) from the safetensors files without building the model.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from transformers.masking_utils import create_causal_mask
+
+
+def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """The reference formula (`dflash.model.build_target_layer_ids`): round(1 + i*(L-4)/(n-1)).
+
+    36 target layers and 5 drafter layers give [1, 9, 17, 25, 33].
+    """
+    if num_draft_layers < 1:
+        raise ValueError(f"num_draft_layers must be >= 1, got {num_draft_layers}")
+    if num_draft_layers == 1:
+        return [num_target_layers // 2]
+    start, end = 1, num_target_layers - 3
+    span = end - start
+    return [round(start + i * span / (num_draft_layers - 1)) for i in range(num_draft_layers)]
+
+
+def build_synthetic_target(target_config: dict, vocab_size: int, out_dir: str, seed: int = 0) -> str:
+    """Build a randomly initialised Qwen3ForCausalLM from config fields and save it as a HF directory.
+
+    Used for the CPU default run and the tests: nothing is downloaded. The global RNG is left untouched.
+    """
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    fields = dict(target_config or {})
+    fields["vocab_size"] = int(vocab_size)
+    config = Qwen3Config(**fields)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen3ForCausalLM(config)
+    model.eval()
+    os.makedirs(out_dir, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    return out_dir
+
+
+def load_target(path: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
+    """Load a HF causal LM, frozen and in eval mode. bf16 on CUDA, fp32 on the CPU unless `dtype` says otherwise."""
+    from transformers import AutoModelForCausalLM
+
+    device = torch.device(device)
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    model.to(device).eval().requires_grad_(False)
+    return model
+
+
+def _decoder(target_model) -> nn.Module:
+    """The decoder stack (embed_tokens, layers, norm, rotary_emb) inside a *ForCausalLM."""
+    inner = getattr(target_model, "model", target_model)
+    for name in ("embed_tokens", "layers", "norm", "rotary_emb"):
+        if not hasattr(inner, name):
+            raise TypeError(
+                f"target {type(target_model).__name__} has no `{name}`: TargetFeatureExtractor supports "
+                "Llama/Qwen-style decoders (model.embed_tokens, model.layers, model.norm, model.rotary_emb)"
+            )
+    return inner
+
+
+class TargetFeatureExtractor(nn.Module):
+    """Context features of the tapped layers, [B, S, len(layer_ids) * H], from a frozen target.
+
+    Equal to `extract_context_feature(target(..., output_hidden_states=True).hidden_states, layer_ids)`:
+    hidden_states[i + 1] is the output of decoder layer i, except that HF replaces the last entry by the
+    final-normed state, so a tap on the last layer gets the final norm too.
+    """
+
+    def __init__(self, target_model, layer_ids: list[int]):
+        super().__init__()
+        self.target = target_model  # registered so .to() moves it; it stays frozen
+        self.decoder = _decoder(target_model)
+        self.config = self.decoder.config
+        self.layer_ids = [int(i) for i in layer_ids]
+        n_layers = len(self.decoder.layers)
+        if not self.layer_ids or min(self.layer_ids) < 0 or max(self.layer_ids) >= n_layers:
+            raise ValueError(f"target_layer_ids {self.layer_ids} out of range for a {n_layers}-layer target")
+        self.last_layer = max(self.layer_ids)
+        self.hidden_size = self.config.hidden_size
+
+    @torch.no_grad()
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        dec = self.decoder
+        bsz, seq = input_ids.shape
+        hidden = dec.embed_tokens(input_ids)
+        position_ids = torch.arange(seq, device=input_ids.device).unsqueeze(0).expand(bsz, -1)
+        mask = create_causal_mask(
+            config=self.config, inputs_embeds=hidden, attention_mask=attention_mask,
+            cache=None, position_ids=position_ids,
+        )
+        position_embeddings = dec.rotary_emb(hidden, position_ids)
+        layer_types = getattr(self.config, "layer_types", None)
+        if layer_types and "sliding_attention" in layer_types[: self.last_layer + 1]:
+            raise NotImplementedError("sliding-window targets are not supported by TargetFeatureExtractor")
+
+        # Write each tapped layer straight into its slice of the output: no list of hidden states is kept.
+        out = hidden.new_empty(bsz, seq, len(self.layer_ids) * self.hidden_size)
+        slots = {}
+        for j, layer_id in enumerate(self.layer_ids):
+            slots.setdefault(layer_id, []).append(j)
+        for i in range(self.last_layer + 1):  # layers after the last tapped one never run
+            hidden = dec.layers[i](
+                hidden, attention_mask=mask, position_embeddings=position_embeddings,
+                position_ids=position_ids, use_cache=False,
+            )
+            if isinstance(hidden, tuple):  # older transformers return (hidden, ...)
+                hidden = hidden[0]
+            for j in slots.get(i, ()):
+                tapped = dec.norm(hidden) if i == len(dec.layers) - 1 else hidden
+                out[..., j * self.hidden_size:(j + 1) * self.hidden_size] = tapped
+        return out
+
+
+def _read_config(path: str) -> dict:
+    with open(Path(path) / "config.json") as f:
+        config = json.load(f)
+    # Multimodal checkpoints keep the language model's fields under text_config.
+    if "text_config" in config and "tie_word_embeddings" not in config:
+        config["tie_word_embeddings"] = config["text_config"].get("tie_word_embeddings", False)
+    return config
+
+
+def _weight_files(path: str) -> dict[str, str]:
+    """Map tensor name -> safetensors file, for single-file and sharded checkpoints."""
+    root = Path(path)
+    index = root / "model.safetensors.index.json"
+    if index.exists():
+        with open(index) as f:
+            return {k: str(root / v) for k, v in json.load(f)["weight_map"].items()}
+    single = root / "model.safetensors"
+    if not single.exists():
+        raise FileNotFoundError(f"{path}: no model.safetensors or model.safetensors.index.json")
+    from safetensors import safe_open
+
+    with safe_open(str(single), framework="pt") as f:
+        return {k: str(single) for k in f.keys()}
+
+
+def load_embed_and_head(path: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Read only the target's input embedding and LM head, [V, H] each, from its safetensors files.
+
+    With `tie_word_embeddings` (or no lm_head tensor saved) the head is the embedding: the same tensor
+    object is returned twice, so the drafter stores it once.
+    """
+    from safetensors import safe_open
+
+    config = _read_config(path)
+    files = _weight_files(path)
+    embed_keys = sorted(k for k in files if k.endswith("embed_tokens.weight"))
+    head_keys = sorted(k for k in files if k.endswith("lm_head.weight"))
+    if not embed_keys:
+        raise KeyError(f"{path}: no '*embed_tokens.weight' tensor in the checkpoint")
+
+    def read(key):
+        with safe_open(files[key], framework="pt") as f:
+            return f.get_tensor(key)
+
+    embed = read(embed_keys[0])
+    tied = bool(config.get("tie_word_embeddings", False))
+    if tied or not head_keys:
+        return embed, embed
+    return embed, read(head_keys[0])
+
+
+def default_mask_token_id(vocab_size: int, tokenizer=None) -> int:
+    """The block's MASK id: the tokenizer's mask token, else the first id past the tokenizer's vocabulary
+    (Qwen3: 151669, an embedding row no text uses), else the last embedding row."""
+    if tokenizer is not None:
+        if getattr(tokenizer, "mask_token_id", None) is not None:
+            return int(tokenizer.mask_token_id)
+        if len(tokenizer) < vocab_size:
+            return len(tokenizer)
+    return int(vocab_size) - 1
