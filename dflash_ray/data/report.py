@@ -1,0 +1,145 @@
+"""What the `plan` and `order-stats` commands print: tables, JSON, dumps and plots."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from dflash_ray.data.interleave import STRATEGIES, interleave_order, order_measures
+from dflash_ray.errors import UserError
+
+
+def format_measures(m: dict, name: str = "") -> str:
+    hist = m["run_length_hist"]
+    runs = ", ".join(f"{k}:{v}" for k, v in sorted(hist.items())[:6]) + (" ..." if len(hist) > 6 else "")
+    last = ", ".join("-" if x is None else f"{x:.4f}" for x in m["last_batch_fraction"])
+    head = f"order{(' (' + name + ')') if name else ''}: {m['batches']} batches\n"
+    return head + "\n".join([
+        f"  quarter share, max deviation from global share : {m['quarter_max_dev_pp']:.3f} pp",
+        f"  prefix discrepancy (batches)                    : {m['prefix_discrepancy']:.2f}",
+        f"  longest same-bucket run (least possible)        : {m['longest_run']} ({m['least_possible_longest_run']})",
+        f"  batches in runs of 1                            : {100 * m['fraction_in_runs_of_1']:.1f}%",
+        f"  run-length histogram (length:runs)              : {runs}",
+        f"  last batch of each bucket (fraction of epoch)   : {last}",
+    ])
+
+
+def format_plan(s: dict) -> str:
+    lines = [f"epoch {s['epoch']} plan (seed {s['seed']}, strategy {s['strategy']}): "
+             f"{s['batches']} batches, {s['tokens']} tokens, budget {s['max_tokens_per_batch']} tokens/batch"]
+    c = s["samples"]
+    lines.append(f"samples: {c['in']} in, {c['kept']} planned, {c['truncated']} truncated, "
+                 f"{c['dropped_overlong']} dropped (over the last boundary), {c['dropped_too_short']} dropped (too short)")
+    lines.append(f"{'bucket':>6} {'tokens/sample':>13} {'samples':>9} {'batches':>8} {'tokens':>12} {'share':>7} {'padding eff':>11}")
+    for r in s["buckets"]:
+        eff = "-" if r["padding_efficiency"] is None else f"{r['padding_efficiency']:.3f}"
+        lines.append(f"{r['bucket']:>6} {r['range']:>13} {r['samples']:>9} {r['batches']:>8} {r['tokens']:>12} "
+                     f"{100 * r['share']:>6.1f}% {eff:>11}")
+    lines.append(f"padding efficiency (real / padded batch tokens): {s['padding_efficiency']:.4f}")
+    lines.append(format_measures(s["order"]))
+    return "\n".join(lines)
+
+
+def plan_command(cfg, args) -> int:
+    from dflash_ray.config import require
+    from dflash_ray.data.plan import plan_from_config
+    from dflash_ray.data.shards import check_shards, write_table_atomic
+
+    if args.check:
+        check_shards(require(cfg, "data.shards"), cfg.data.vocab_size)
+    plan = plan_from_config(cfg)
+    summary = plan.summary()
+    extra = plan_extras(cfg, summary)
+    if args.dump:
+        write_table_atomic(plan.to_arrow().drop_columns(["num_tokens"]), args.dump)
+    if args.json:
+        print(json.dumps({**summary, **extra}, indent=2))
+    else:
+        print(format_plan(summary))
+        for text in extra.get("text", []):
+            print(text)
+        if args.dump:
+            print(f"plan written to {args.dump}")
+    return 0
+
+
+def plan_extras(cfg, summary: dict) -> dict:
+    """Hook for later layers (e.g. the cluster capacity model) to add to the plan report."""
+    try:
+        from dflash_ray.runtime.capacity import capacity_report
+    except ImportError:
+        return {}
+    return capacity_report(cfg, summary)
+
+
+def _parse_counts(text: str) -> list[int]:
+    try:
+        counts = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError as e:
+        raise UserError(f"--counts: expected comma-separated integers, got '{text}'") from e
+    if not counts or min(counts) < 0:
+        raise UserError(f"--counts: expected non-negative integers, got '{text}'")
+    return counts
+
+
+def order_stats_command(args) -> int:
+    counts = _parse_counts(args.counts)
+    names = list(STRATEGIES) if args.compare or args.plot else [args.strategy]
+    if args.strategy not in STRATEGIES:
+        raise UserError(f"--strategy: unknown '{args.strategy}' (one of {', '.join(STRATEGIES)})")
+    orders = {n: interleave_order(counts, strategy=n, seed=args.seed, epoch=args.epoch) for n in names}
+    measures = {n: order_measures(o, len(counts)) for n, o in orders.items()}
+    if args.dump_order:
+        np.save(args.dump_order, orders[args.strategy])
+    if args.plot:
+        plot_orders(orders, counts, args.plot)
+    shown = names if args.compare else [args.strategy]
+    if args.json:
+        print(json.dumps(measures if args.compare else measures[args.strategy], indent=2))
+    elif args.compare:
+        print(compare_table({n: measures[n] for n in shown}))
+    else:
+        print(format_measures(measures[args.strategy], args.strategy))
+    return 0
+
+
+def compare_table(measures: dict) -> str:
+    rows = [f"{'strategy':>10} {'quarter dev pp':>14} {'prefix disc':>11} {'longest run':>11} "
+            f"{'runs of 1':>9} {'first bucket to end':>19}"]
+    for n, m in measures.items():
+        rows.append(f"{n:>10} {m['quarter_max_dev_pp']:>14.3f} {m['prefix_discrepancy']:>11.2f} "
+                    f"{m['longest_run']:>11} {100 * m['fraction_in_runs_of_1']:>8.1f}% {m['earliest_bucket_end']:>19.4f}")
+    return "\n".join(rows)
+
+
+def plot_orders(orders: dict, counts: list[int], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    k = len(counts)
+    fig, axes = plt.subplots(len(orders), 2, figsize=(13, 1.7 * len(orders) + 0.6),
+                             gridspec_kw={"width_ratios": [3, 1]}, squeeze=False)
+    cmap = plt.get_cmap("tab10", max(k, 2))
+    for row, (name, order) in enumerate(orders.items()):
+        ax = axes[row][0]
+        width = max(1, order.size // 2000)  # one pixel column per `width` batches
+        strip = order[: order.size // width * width].reshape(-1, width)[:, 0]
+        ax.imshow(strip[None, :], aspect="auto", cmap=cmap, vmin=-0.5, vmax=k - 0.5, interpolation="nearest")
+        ax.set_yticks([])
+        ax.set_ylabel(name, rotation=0, ha="right", va="center")
+        if row == len(orders) - 1:
+            ax.set_xlabel("position in epoch" + (f" (every {width}th batch)" if width > 1 else ""))
+        m = order_measures(order, k)
+        hist = m["run_length_hist"]
+        lengths = sorted(hist)[:20]
+        axes[row][1].bar([str(x) for x in lengths], [hist[x] for x in lengths], color="gray")
+        axes[row][1].set_yscale("log")
+        axes[row][1].set_title(f"runs (longest {m['longest_run']})", fontsize=8)
+    axes[0][0].set_title("bucket of each batch along the epoch (colour = bucket)")
+    fig.tight_layout()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)

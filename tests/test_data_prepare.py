@@ -1,0 +1,83 @@
+"""prepare: conversations -> parquet shards with an assistant-only loss mask."""
+import json
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from helpers_data import make_tokenizer, write_jsonl
+from transformers import AutoTokenizer
+
+from dflash_ray.cli import run_command
+from dflash_ray.data.prepare import assistant_spans, prepare
+from dflash_ray.data.shards import SCHEMA, list_shards
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory):
+    return make_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+def test_loss_mask_covers_exactly_the_assistant_turns(tok_dir, tmp_path):
+    corpus, tokdir = tok_dir
+    conv = [{"role": "system", "content": "You are a precise assistant."},
+            {"role": "user", "content": "Count from 3 to 6."},
+            {"role": "assistant", "content": "3 4 5 6"},
+            {"role": "user", "content": "Repeat 'red blue' 2 times."},
+            {"role": "assistant", "content": "red blue red blue"}]
+    src = write_jsonl(tmp_path / "c.jsonl", [{"id": "x", "conversations": conv}] * 3)
+    s = prepare(str(src), str(tokdir), str(tmp_path / "out"), shard_size=2, progress=False)
+    assert (s.samples, s.shards) == (3, 2)
+    t = pq.read_table(list_shards(tmp_path / "out")[0])
+    assert t.schema.equals(SCHEMA)
+    tok = AutoTokenizer.from_pretrained(str(tokdir))
+    ids = np.array(t.column("input_ids")[0].as_py())
+    mask = np.array(t.column("loss_mask")[0].as_py())
+    assert t.column("num_tokens")[0].as_py() == ids.size == mask.size
+    assert tok.decode(ids) == tok.apply_chat_template(conv, tokenize=False)
+    # masked tokens decode to the two answers, each with its end-of-turn token; nothing else
+    runs = np.split(np.flatnonzero(mask), np.flatnonzero(np.diff(np.flatnonzero(mask)) > 1) + 1)
+    assert [tok.decode(ids[r]).strip() for r in runs] == ["3 4 5 6<|im_end|>", "red blue red blue<|im_end|>"]
+    assert t.column("sample_id").to_pylist() == [0, 1]
+
+
+def test_spans_fall_back_to_the_content_when_the_template_rewrites_history(tok_dir):
+    _, tokdir = tok_dir
+    tok = AutoTokenizer.from_pretrained(str(tokdir))
+    # a template that drops earlier assistant turns breaks the prefix property
+    tok.chat_template = ("{% for m in messages %}{% if m['role'] != 'assistant' or loop.last %}"
+                         "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+                         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    conv = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "first"},
+            {"role": "user", "content": "b"}, {"role": "assistant", "content": "second"}]
+    text, spans = assistant_spans(tok, conv)
+    # the first answer is not in the rendering at all; the last one keeps its end-of-turn token
+    assert "first" not in text
+    assert [text[s:e] for s, e in spans] == ["second<|im_end|>\n"]
+
+
+def test_prepare_cli_summary_counts_drops(tok_dir, tmp_path, capsys):
+    _, tokdir = tok_dir
+    rows = [{"id": 1, "conversations": [{"role": "user", "content": "hi"}]},  # no assistant turn
+            {"id": 2, "conversations": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}]},
+            {"id": 3, "conversations": [{"role": "user", "content": "Count from 1 to 40."},
+                                        {"role": "assistant", "content": " ".join(map(str, range(1, 41)))}]}]
+    src = write_jsonl(tmp_path / "c.jsonl", rows)
+    rc = run_command("prepare", [f"data.input={src}", f"data.tokenizer={tokdir}", f"data.output={tmp_path}/o",
+                                 "model.block_size=8", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    assert out["samples"] == 1 and out["dropped"] == {"no_assistant_turn": 1, "too_few_supervised_tokens": 1}
+
+
+def test_malformed_line_exits_2_naming_file_and_line_and_writes_nothing(tok_dir, tmp_path, capsys):
+    _, tokdir = tok_dir
+    good = {"id": 1, "conversations": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "y"}]}
+    src = write_jsonl(tmp_path / "c.jsonl", [good, good, '{"id": 3, "conversations": [', good])
+    rc = run_command("prepare", [f"data.input={src}", f"data.tokenizer={tokdir}", f"data.output={tmp_path}/o"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1
+    assert "c.jsonl: line 3: malformed JSON" in err[0]
+    assert not (tmp_path / "o").exists() and not list(tmp_path.glob(".o.tmp*"))
+    src2 = write_jsonl(tmp_path / "d.jsonl", [{"id": 1, "conversations": [{"role": "robot", "content": "x"}]}])
+    rc = run_command("prepare", [f"data.input={src2}", f"data.tokenizer={tokdir}", f"data.output={tmp_path}/o"])
+    assert rc == 2 and "d.jsonl: line 1:" in capsys.readouterr().err

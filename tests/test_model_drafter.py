@@ -1,0 +1,305 @@
+"""The drafter's training forward and loss, against the reference `dflash.model.DFlashDraftModel`.
+
+The reference runs one block at inference: context features of positions < a, block [x[a], MASK...] at
+positions a..a+B-1. Our training forward runs many blocks at once under a mask; for every block it must give
+the reference's logits, it must not see context position >= a, and the loss must supervise slot k with
+x[a+k]. These are the three bugs that have shipped near-zero-acceptance drafters elsewhere.
+"""
+import math
+import warnings
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+import dflash_ray.model.attention as attention
+from dflash.model import DFlashDraftModel
+from dflash_ray.model.drafter import DFlashDrafter, build_drafter
+from dflash_ray.model.export import export_drafter
+from dflash_ray.model.loss import (
+    chunked_head_ce,
+    default_gamma,
+    expected_acceptance_length,
+    reference_head_ce,
+    slot_weights,
+)
+from dflash_ray.model.target import TargetFeatureExtractor, build_synthetic_target, load_target
+
+TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=8, max_position_embeddings=256, initializer_range=0.1)
+VOCAB, MASK, BLOCK = 300, 299, 8
+
+
+def _perturb(module, seed, scale=0.1):
+    # Random init of the drafter is near-zero (std 0.02); make every weight matter, norms included.
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+
+
+@pytest.fixture(scope="module", params=["untied", "tied"])
+def setup(request, tmp_path_factory):
+    """A tiny target, a perturbed drafter, the same drafter loaded by the reference, a batch with features."""
+    tied = request.param == "tied"
+    root = tmp_path_factory.mktemp(request.param)
+    tdir = build_synthetic_target({**TINY, "tie_word_embeddings": tied}, VOCAB, str(root / "target"), seed=3)
+    target = load_target(tdir)
+    embed, head = target.model.embed_tokens.weight, target.lm_head.weight
+    cfg = dict(num_draft_layers=2, block_size=BLOCK, num_anchors=6, target_layer_ids=None)
+    drafter = build_drafter(cfg, target.config, embed, head, MASK, seed=0, attention_backend="sdpa")
+    _perturb(drafter, seed=1)
+    reference = DFlashDraftModel.from_pretrained(export_drafter(drafter, str(root / "drafter"))).eval()
+
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(0, MASK, (2, 40), generator=g)
+    lengths = torch.tensor([40, 29])
+    loss_mask = torch.zeros(2, 40, dtype=torch.long)
+    loss_mask[0, 10:25] = 1
+    loss_mask[0, 30:40] = 1          # two assistant turns
+    loss_mask[1, 6:29] = 1
+    ids[1, 29:] = 0                  # right padding
+    context = TargetFeatureExtractor(target, drafter.target_layer_ids)(ids)
+    return dict(target=target, drafter=drafter, reference=reference, ids=ids, lengths=lengths,
+                loss_mask=loss_mask, context=context, tied=tied)
+
+
+def _reference_block_logits(s, b, anchor, block_len=BLOCK):
+    """The reference's inference logits for slots 1..L-1 of the block at `anchor` of sample b."""
+    block = torch.full((1, block_len), MASK)
+    block[0, 0] = s["ids"][b, anchor]
+    noise = F.embedding(block, s["target"].model.embed_tokens.weight)
+    with torch.no_grad():
+        hidden = s["reference"](
+            target_hidden=s["context"][b:b + 1, :anchor], noise_embedding=noise,
+            position_ids=torch.arange(anchor + block_len)[None],
+        )[:, 1 - block_len:]
+        return s["reference"].compute_logits(hidden, s["target"].lm_head)[0]
+
+
+def _valid_anchors(s, b):
+    lm, n = s["loss_mask"][b].bool(), int(s["lengths"][b])
+    return [a for a in range(1, n - 1) if lm[a] and lm[a + 1]]
+
+
+def test_training_logits_equal_reference_inference(setup):
+    s = setup
+    anchors = []
+    for b in range(2):
+        valid = _valid_anchors(s, b)
+        anchors.append([valid[0], valid[1], valid[len(valid) // 2], valid[-2], valid[-1]])
+    anchors = torch.tensor(anchors)
+    with torch.no_grad():
+        logits = s["drafter"].logits(s["drafter"](s["ids"], s["context"], anchors))
+    assert logits.shape == (2, 5, BLOCK, VOCAB)
+    assert logits.std() > 0.3  # logits large enough that a wrong context or position would show
+    for b in range(2):
+        for n, a in enumerate(anchors[b].tolist()):
+            ref = _reference_block_logits(s, b, a)
+            diff = (logits[b, n, 1:] - ref).abs().max().item()
+            assert diff < 1e-4, f"sample {b} anchor {a}: max abs diff {diff}"
+
+
+def test_untied_head_is_the_lm_head(setup):
+    s = setup
+    d = s["drafter"]
+    assert d.tied == s["tied"]
+    assert torch.equal(d.head_weight, s["target"].lm_head.weight)
+    if not s["tied"]:
+        assert not torch.equal(d.head_weight, d.embed_weight)
+
+
+def _blocks_with_context_perturbed(s, anchors, b, start):
+    ctx = s["context"].clone()
+    ctx[b, start:] = torch.randn_like(ctx[b, start:]) * 5
+    with torch.no_grad():
+        return s["drafter"].logits(s["drafter"](s["ids"], ctx, anchors))
+
+
+def _leaks(s, anchors):
+    """Blocks whose logits change when context positions >= their anchor change (should be none), and
+    blocks whose logits do NOT change when position anchor-1 changes (the check's own power)."""
+    with torch.no_grad():
+        base = s["drafter"].logits(s["drafter"](s["ids"], s["context"], anchors))
+    leaks, blind = [], []
+    for b in range(anchors.shape[0]):
+        for n, a in enumerate(anchors[b].tolist()):
+            if (_blocks_with_context_perturbed(s, anchors, b, a)[b, n] - base[b, n]).abs().max() > 1e-6:
+                leaks.append((b, a))
+            if (_blocks_with_context_perturbed(s, anchors, b, a - 1)[b, n] - base[b, n]).abs().max() < 1e-4:
+                blind.append((b, a))
+    return leaks, blind
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "flex"])
+def test_block_never_sees_context_at_or_after_its_anchor(setup, backend, monkeypatch):
+    s = setup
+    monkeypatch.setattr(s["drafter"], "attention_backend", backend)
+    warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+    anchors = torch.tensor([[5, 12, 31], [7, 20, 26]])
+    leaks, blind = _leaks(s, anchors)
+    assert leaks == [] and blind == []
+
+
+def test_leak_check_catches_a_one_position_leak(setup, monkeypatch):
+    """The check above must fail for the classic bug: a mask that lets the block see position a."""
+    s = setup
+    rule = attention.block_visible
+
+    def leaky(q_idx, kv_idx, anchors_b, ctx_len, block_size):
+        anchor = anchors_b[q_idx // block_size]
+        return rule(q_idx, kv_idx, anchors_b, ctx_len, block_size) | ((kv_idx < ctx_len) & (kv_idx == anchor))
+
+    monkeypatch.setattr(attention, "block_visible", leaky)
+    leaks, _ = _leaks(s, torch.tensor([[5, 12, 31], [7, 20, 26]]))
+    assert len(leaks) == 6
+
+
+def test_blocks_do_not_see_each_other(setup):
+    s = setup
+    anchors = torch.tensor([[10, 11, 30], [6, 7, 20]])
+    ids2 = s["ids"].clone()
+    ids2[0, 11] = (ids2[0, 11] + 1) % MASK  # block 1's anchor token; also block 0's label, never its input
+    with torch.no_grad():
+        a = s["drafter"].logits(s["drafter"](s["ids"], s["context"], anchors))
+        b = s["drafter"].logits(s["drafter"](ids2, s["context"], anchors))
+    assert torch.equal(a[0, 0], b[0, 0]) and torch.equal(a[0, 2], b[0, 2]) and torch.equal(a[1], b[1])
+    assert not torch.equal(a[0, 1], b[0, 1])
+
+
+def test_flex_and_sdpa_agree(setup):
+    """Same numbers from both kernels. (torch 2.13 has no FlexAttention backward on the CPU, so the CPU
+    trains through SDPA: 'auto' picks it; the GPU's flex backward is torch's own, tested upstream.)"""
+    s = setup
+    warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
+    d = s["drafter"]
+    anchors = torch.tensor([[3, 12, 33], [7, 8, 26]])
+    results = {}
+    with torch.no_grad():
+        for backend in ("sdpa", "flex"):
+            d.attention_backend = backend
+            results[backend] = d(s["ids"], s["context"], anchors)
+    d.attention_backend = "sdpa"
+    torch.testing.assert_close(results["flex"], results["sdpa"], rtol=0, atol=1e-5)
+    assert attention.resolve_backend("auto", torch.device("cpu")) == "sdpa"
+    assert attention.resolve_backend("auto", torch.device("cuda")) == "flex"
+
+
+def test_anchor_sampling(setup):
+    s = setup
+    d = s["drafter"]
+    g = torch.Generator().manual_seed(0)
+    seen = set()
+    for _ in range(5):
+        anchors, valid = d.sample_anchors(s["loss_mask"], s["lengths"], g)
+        assert anchors.shape[1] == d.num_anchors
+        for b in range(2):
+            chosen = anchors[b][valid[b]].tolist()
+            assert chosen == sorted(set(chosen)) and len(chosen) == d.num_anchors
+            assert set(chosen) <= set(_valid_anchors(s, b))
+        seen.add(tuple(anchors.flatten().tolist()))
+    assert len(seen) > 1  # resampled every step
+    a1, _ = d.sample_anchors(s["loss_mask"], s["lengths"], torch.Generator().manual_seed(7))
+    a2, _ = d.sample_anchors(s["loss_mask"], s["lengths"], torch.Generator().manual_seed(7))
+    assert torch.equal(a1, a2)
+    # Fewer valid positions than num_anchors: all of them, padded with invalid anchors.
+    few = torch.zeros_like(s["loss_mask"])
+    few[0, 20:23] = 1
+    anchors, valid = d.sample_anchors(few, s["lengths"], g)
+    assert anchors[0][valid[0]].tolist() == [20, 21] and not valid[1].any()
+
+
+def test_loss_equals_weighted_ce_on_reference_logits(setup):
+    """loss_sum / weight_sum / slot counts recomputed from the reference's logits and labels x[a+k]."""
+    s = setup
+    d = s["drafter"]
+    g = torch.Generator().manual_seed(5)
+    out = d.training_loss(s["ids"], s["loss_mask"], s["context"], s["lengths"], g)
+    anchors, valid = d.sample_anchors(s["loss_mask"], s["lengths"], torch.Generator().manual_seed(5))
+
+    gamma = default_gamma(BLOCK)
+    loss, wsum = 0.0, 0.0
+    correct = torch.zeros(BLOCK - 1)
+    count = torch.zeros(BLOCK - 1)
+    prefix = torch.zeros(BLOCK - 1)
+    for b in range(2):
+        n_tok = int(s["lengths"][b])
+        for a in anchors[b][valid[b]].tolist():
+            ref = _reference_block_logits(s, b, a)
+            run = True
+            for k in range(1, BLOCK):
+                if a + k >= n_tok or not s["loss_mask"][b, a + k]:
+                    run = False
+                    continue
+                w = math.exp(-(k - 1) / gamma)
+                label = s["ids"][b, a + k]
+                loss += w * F.cross_entropy(ref[k - 1][None], label[None]).item()
+                wsum += w
+                hit = bool(ref[k - 1].argmax() == label)
+                correct[k - 1] += hit
+                count[k - 1] += 1
+                run = run and hit
+                prefix[k - 1] += run
+    assert out.loss_sum.requires_grad
+    assert math.isclose(out.loss_sum.item(), loss, rel_tol=1e-5)
+    assert math.isclose(out.weight_sum.item(), wsum, rel_tol=1e-6)
+    assert out.slot_correct.tolist() == correct.tolist()
+    assert out.slot_count.tolist() == count.tolist()
+    assert out.prefix_correct.tolist() == prefix.tolist()
+    assert count[0] == 2 * d.num_anchors and count[-1] < count[0]  # sequence ends and turn ends mask slots
+
+
+def test_only_trainable_weights_get_gradients(setup):
+    s = setup
+    d = s["drafter"]
+    names = {n for n, _ in d.named_parameters()}
+    assert not any("embed" in n or "lm_head" in n for n in names)
+    assert set(d.state_dict()) == names
+    assert "embed_weight" in d._ddp_params_and_buffers_to_ignore
+    d.zero_grad()
+    out = d.training_loss(s["ids"], s["loss_mask"], s["context"], s["lengths"], torch.Generator().manual_seed(0))
+    (out.loss_sum / out.weight_sum).backward()
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in d.parameters())
+    assert not d.embed_weight.requires_grad and d.embed_weight.grad is None
+    d.zero_grad()
+
+
+def test_chunked_head_ce_matches_full_ce():
+    g = torch.Generator().manual_seed(0)
+    hidden = torch.randn(37, 16, generator=g, requires_grad=True)
+    head = torch.randn(50, 16, generator=g)
+    labels = torch.randint(0, 50, (37,), generator=g)
+    weights = torch.rand(37, generator=g)
+    loss, correct = chunked_head_ce(hidden, head, labels, weights, chunk_rows=8)
+    (grad,) = torch.autograd.grad(loss * 3.0, hidden)
+    ref_loss, ref_correct = reference_head_ce(hidden, head, labels, weights)
+    (ref_grad,) = torch.autograd.grad(ref_loss * 3.0, hidden)
+    torch.testing.assert_close(loss, ref_loss)
+    torch.testing.assert_close(grad, ref_grad)
+    assert torch.equal(correct, ref_correct)
+
+
+def test_gamma_weights_and_acceptance_helpers():
+    assert (default_gamma(16), default_gamma(10), default_gamma(8)) == (7.0, 5.0, 4.0)
+    assert 4.0 < default_gamma(9) < 5.0 and default_gamma(32) > 7.0 and default_gamma(2) >= 1.0
+    w = slot_weights(16, 7.0)
+    assert w.shape == (15,) and w[0] == 1.0 and math.isclose(w[7].item(), math.exp(-1), rel_tol=1e-6)  # k=8
+    assert expected_acceptance_length([1.0] * 15) == 16.0
+    assert expected_acceptance_length([0.0] * 15) == 1.0
+    assert math.isclose(expected_acceptance_length([0.5, 0.5, 1.0]), 1 + 0.5 + 0.25 + 0.25)
+
+
+def test_build_drafter_reads_omegaconf_and_defaults(setup):
+    from omegaconf import OmegaConf
+
+    s = setup
+    target = s["target"]
+    cfg = OmegaConf.create({"num_draft_layers": 3, "target_layer_ids": None, "block_size": 16,
+                            "num_anchors": 4, "loss_gamma": None})
+    d = build_drafter(cfg, target.config, target.model.embed_tokens.weight, target.lm_head.weight, 5)
+    assert isinstance(d, DFlashDrafter) and len(d.layers) == 3
+    assert d.target_layer_ids == [1, 2, 3] and d.loss_gamma == 7.0 and d.mask_token_id == 5
+    cfg = OmegaConf.create({"num_draft_layers": 2, "target_layer_ids": [0, 4], "block_size": 4,
+                            "num_anchors": 4, "loss_gamma": 2.5})
+    d = build_drafter(cfg, target.config, target.model.embed_tokens.weight, target.lm_head.weight, 5)
+    assert d.target_layer_ids == [0, 4] and d.loss_gamma == 2.5 and d.block_size == 4
