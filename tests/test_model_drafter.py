@@ -30,6 +30,15 @@ TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_atten
 VOCAB, MASK, BLOCK = 300, 299, 8
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # Tiny models: a second thread only adds contention on a shared 2-core machine (10x slower measured).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _perturb(module, seed, scale=0.1):
     # Random init of the drafter is near-zero (std 0.02); make every weight matter, norms included.
     g = torch.Generator().manual_seed(seed)

@@ -20,6 +20,15 @@ TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_atten
 VOCAB = 300
 
 
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    # Tiny models: a second thread only adds contention on a shared 2-core machine (10x slower measured).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="module")
 def target_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("targets")

@@ -114,32 +114,46 @@ def compare_table(measures: dict) -> str:
 
 
 def plot_orders(orders: dict, counts: list[int], path: str) -> None:
+    """Per strategy: the bucket of each batch along the epoch, how much of each bucket is used up by each
+    point of the epoch (the diagonal is the ideal: buckets run out together), and the run lengths."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     k = len(counts)
-    fig, axes = plt.subplots(len(orders), 2, figsize=(13, 1.7 * len(orders) + 0.6),
-                             gridspec_kw={"width_ratios": [3, 1]}, squeeze=False)
+    fig, axes = plt.subplots(len(orders), 3, figsize=(15, 1.9 * len(orders) + 0.8),
+                             gridspec_kw={"width_ratios": [3, 1.2, 1]}, squeeze=False)
     cmap = plt.get_cmap("tab10", max(k, 2))
     for row, (name, order) in enumerate(orders.items()):
+        n = order.size
+        step = max(1, n // 2000)  # show every step-th batch: one pixel column each
         ax = axes[row][0]
-        width = max(1, order.size // 2000)  # one pixel column per `width` batches
-        strip = order[: order.size // width * width].reshape(-1, width)[:, 0]
-        ax.imshow(strip[None, :], aspect="auto", cmap=cmap, vmin=-0.5, vmax=k - 0.5, interpolation="nearest")
+        ax.imshow(order[::step][None, :], aspect="auto", cmap=cmap, vmin=-0.5, vmax=k - 0.5,
+                  interpolation="nearest", extent=[0, n, 0, 1])
         ax.set_yticks([])
-        ax.set_ylabel(name, rotation=0, ha="right", va="center")
-        if row == len(orders) - 1:
-            ax.set_xlabel("position in epoch" + (f" (every {width}th batch)" if width > 1 else ""))
+        ax.set_ylabel(name, rotation=0, ha="right", va="center", fontsize=11)
+        ax = axes[row][1]
+        x = np.arange(1, n + 1)
+        for b in range(k):
+            if counts[b]:
+                used = np.cumsum(order == b) / counts[b]
+                ax.plot(x[::step] / n, used[::step], color=cmap(b), lw=1)
+        ax.plot([0, 1], [0, 1], "k:", lw=0.8)
+        ax.set_xlim(0, 1)
+        ax.set_ylim(0, 1.02)
+        ax.tick_params(labelsize=7)
         m = order_measures(order, k)
         hist = m["run_length_hist"]
-        lengths = sorted(hist)[:20]
-        axes[row][1].bar([str(x) for x in lengths], [hist[x] for x in lengths], color="gray")
-        axes[row][1].set_yscale("log")
-        axes[row][1].set_title(f"runs (longest {m['longest_run']})", fontsize=8)
-    axes[0][0].set_title("bucket of each batch along the epoch (colour = bucket)")
+        lengths = sorted(hist)[:12]
+        axes[row][2].bar([str(v) for v in lengths], [hist[v] for v in lengths], color="gray")
+        axes[row][2].set_yscale("log")
+        axes[row][2].tick_params(labelsize=7)
+        axes[row][2].set_title(f"runs by length (longest {m['longest_run']})", fontsize=8)
+    axes[0][0].set_title("bucket of each batch along the epoch (colour = bucket)", fontsize=9)
+    axes[0][1].set_title("share of each bucket used vs share of epoch", fontsize=9)
+    axes[-1][0].set_xlabel("position in the epoch (batches)")
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=90)
+    fig.savefig(path, dpi=80)
     plt.close(fig)

@@ -9,6 +9,7 @@ must equal plain greedy decoding of the target; `evaluate_acceptance` checks tha
 """
 from __future__ import annotations
 
+import inspect
 import time
 from pathlib import Path
 
@@ -23,6 +24,11 @@ from .target import load_target
 def _tapped(hidden_states, layer_ids):
     # hidden_states[i + 1] is decoder layer i's output: the reference's extract_context_feature.
     return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
+
+
+def _cache_kwarg(target) -> str:
+    # transformers 5 renamed `past_key_values` to `cache` (the old name warns until it is removed).
+    return "cache" if "cache" in inspect.signature(target.forward).parameters else "past_key_values"
 
 
 def _crop(cache, length: int):
@@ -68,7 +74,8 @@ def speculative_generate(drafter, target, input_ids: torch.Tensor, max_new_token
     draft_cache = drafter.new_cache()
     stops = torch.tensor(stop_token_ids or [], dtype=torch.long, device=device)
 
-    out = timer(target, input_ids, position_ids=torch.arange(n, device=device)[None], past_key_values=cache,
+    kw = _cache_kwarg(target)
+    out = timer(target, input_ids, position_ids=torch.arange(n, device=device)[None], **{kw: cache},
                 use_cache=True, logits_to_keep=1, output_hidden_states=True)
     output[:, n] = out.logits[:, -1].argmax(-1)
     new_features = _tapped(out.hidden_states, drafter.target_layer_ids)  # positions 0..n-1
@@ -84,7 +91,7 @@ def speculative_generate(drafter, target, input_ids: torch.Tensor, max_new_token
             hidden = drafter.draft_hidden(draft_cache, block)[:, 1:]
             block[:, 1:] = drafter.logits(hidden).argmax(-1)
         out = timer(target, block, position_ids=torch.arange(start, start + verify, device=device)[None],
-                    past_key_values=cache, use_cache=True, output_hidden_states=verify > 1)
+                    **{kw: cache}, use_cache=True, output_hidden_states=verify > 1)
         posterior = out.logits.argmax(-1)
         accepted = int((block[:, 1:] == posterior[:, :-1]).cumprod(dim=1).sum())
         output[:, start:start + accepted + 1] = block[:, :accepted + 1]
@@ -108,11 +115,12 @@ def greedy_generate(target, input_ids: torch.Tensor, max_new_tokens: int, stop_t
     timer = timer or _Timer(input_ids.device)
     stops = set(stop_token_ids or [])
     cache = DynamicCache(config=target.config)
+    kw = _cache_kwarg(target)
     ids = input_ids
     step_in = input_ids
     for _ in range(max_new_tokens):
         pos = torch.arange(ids.shape[1] - step_in.shape[1], ids.shape[1], device=ids.device)[None]
-        out = timer(target, step_in, position_ids=pos, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        out = timer(target, step_in, position_ids=pos, **{kw: cache}, use_cache=True, logits_to_keep=1)
         nxt = out.logits[:, -1].argmax(-1, keepdim=True)
         ids = torch.cat([ids, nxt], dim=1)
         step_in = nxt

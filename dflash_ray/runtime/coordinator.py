@@ -1,0 +1,245 @@
+"""RunCoordinator: the run's single controller, one async actor pinned to the driver's node.
+
+It outlives trainer restarts (the driver owns it), so it is where the run's memory lives:
+
+* the flight window: a batch enters the pipeline (tokens joined, then a target forward) only when its
+  feed row index < consumed + max_batches_in_flight, so the object store never holds more than that many
+  batches' features. The lowest unconsumed row is always admitted, so the window cannot deadlock.
+* the ledger and metrics.jsonl (written on the driver's node, so no shared file system is needed),
+  rolled back to the checkpoint's step when training restarts after a failure;
+* what the target actors did (batches, busy seconds, restarts) and the trainer restarts survived;
+* the `dflash_*` metrics (ray.util.metrics) and the progress the driver's bar shows.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import time
+from pathlib import Path
+
+from dflash_ray.runtime.ledger import LEDGER, read_jsonl, rollback
+
+METRICS = "metrics.jsonl"
+EVENTS = "events.jsonl"
+
+
+class _Metrics:
+    """The dflash_* metrics. Exported by Ray as ray_dflash_* on each node's metrics port."""
+
+    def __init__(self, run: str, num_buckets: int):
+        from ray.util.metrics import Counter, Gauge, Histogram
+
+        tags = ("run",)
+        self.run = {"run": run}
+        g = lambda name, desc, keys=tags: Gauge(name, description=desc, tag_keys=keys)  # noqa: E731
+        self.loss = g("dflash_loss", "training loss of the last optimizer step")
+        self.tokens_per_s = g("dflash_tokens_per_second", "trained tokens per second (recent steps)")
+        self.step = g("dflash_step", "optimizer steps committed")
+        self.epoch_progress = g("dflash_epoch_progress", "fraction of the current epoch trained")
+        self.in_flight = g("dflash_batches_in_flight", "batches admitted to the pipeline and not yet trained")
+        self.ckpt_s = g("dflash_checkpoint_seconds", "seconds the last checkpoint took")
+        self.failures = g("dflash_failures_survived", "trainer group restarts + target actor restarts")
+        self.idle = g("dflash_target_idle_fraction", "idle share of a target actor's lifetime", ("run", "actor"))
+        self.bucket = Histogram("dflash_batch_bucket", description="length bucket of each trained batch",
+                                boundaries=[b + 0.5 for b in range(max(num_buckets, 1))], tag_keys=tags)
+        self.target_batches = Counter("dflash_target_batches", description="batches a target actor computed",
+                                      tag_keys=("run", "actor"))
+        self.target_busy = Counter("dflash_target_busy_seconds", description="seconds a target actor computed",
+                                   tag_keys=("run", "actor"))
+
+
+class RunCoordinator:
+    def __init__(self, run_dir: str, run_name: str, window: int, num_buckets: int, tensorboard: bool = False):
+        self.dir = Path(run_dir)
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.run_name = run_name
+        self.window = int(window)
+        self.metrics = _Metrics(run_name, num_buckets)
+        self.cond = asyncio.Condition()
+        self.gen = 0
+        self.consumed = 0             # feed rows trained, in the current generation
+        self.admitted = -1            # highest feed row index admitted, current generation
+        self.max_in_flight = 0
+        self.attempts = 0             # train-function starts (restarts = attempts - 1 within one fit)
+        self.trainer_restarts = 0
+        self.rolled_back_steps = 0
+        self.targets: dict[str, dict] = {}
+        self.target_restarts = 0
+        self.workers: dict[int, dict] = {}
+        self.last: dict = {}
+        self.total_steps = 0
+        self.step_times: list[tuple[float, int]] = []
+        self.checkpoints: list[dict] = []
+        self.started = time.time()
+        self.tb = None
+        if tensorboard:
+            try:
+                from tensorboardX import SummaryWriter
+            except ImportError:  # pragma: no cover - ray[train] ships tensorboardX
+                from torch.utils.tensorboard import SummaryWriter
+            self.tb = SummaryWriter(str(self.dir / "tensorboard"))
+
+    # ------------------------------------------------------------ flight window
+    async def reset_feed(self, total_steps: int, start_step: int) -> int:
+        """A new Ray Data stream starts (first start or a restart): a new generation of row indices."""
+        async with self.cond:
+            self.gen += 1
+            self.consumed, self.admitted = 0, -1
+            self.total_steps = int(total_steps)
+            self.start_step = int(start_step)
+            self.cond.notify_all()
+            return self.gen
+
+    async def admit(self, gen: int, index: int) -> bool:
+        async with self.cond:
+            await self.cond.wait_for(lambda: gen != self.gen or index < self.consumed + self.window)
+            if gen != self.gen:
+                return False  # a stream that has been replaced: let it drain
+            self.admitted = max(self.admitted, index)
+            in_flight = self.admitted + 1 - self.consumed
+            self.max_in_flight = max(self.max_in_flight, in_flight)
+            self.metrics.in_flight.set(in_flight, tags=self.metrics.run)
+            return True
+
+    async def consumed_upto(self, gen: int, upto: int) -> None:
+        async with self.cond:
+            if gen == self.gen and upto > self.consumed:
+                self.consumed = upto
+                self.metrics.in_flight.set(max(self.admitted + 1 - self.consumed, 0), tags=self.metrics.run)
+                self.cond.notify_all()
+
+    # ------------------------------------------------------------ target actors
+    def target_started(self, key: str, pid: int, node: str) -> None:
+        t = self.targets.get(key)
+        if t is None:
+            self.targets[key] = {"pid": pid, "node": node, "batches": 0, "busy_s": 0.0, "restarts": 0,
+                                 "started": time.time(), "last": time.time()}
+        else:  # Ray restarted this actor after it died: its batch is recomputed by Ray Data's retry
+            t.update(pid=pid, node=node, restarts=t["restarts"] + 1)
+            self.target_restarts += 1
+            self._event("target_actor_restarted", actor=key, pid=pid)
+        self._failures_gauge()
+
+    def target_batch(self, key: str, busy_s: float, tokens: int) -> None:
+        t = self.targets.setdefault(key, {"pid": None, "node": None, "batches": 0, "busy_s": 0.0,
+                                          "restarts": 0, "started": time.time(), "last": time.time()})
+        t["batches"] += 1
+        t["busy_s"] += busy_s
+        t["last"] = time.time()
+        tags = {"run": self.run_name, "actor": key}
+        self.metrics.target_batches.inc(1, tags=tags)
+        self.metrics.target_busy.inc(max(busy_s, 0.0), tags=tags)
+        life = max(time.time() - t["started"], 1e-9)
+        self.metrics.idle.set(max(0.0, 1.0 - t["busy_s"] / life), tags=tags)
+
+    def targets_pids(self) -> dict:
+        return {k: v["pid"] for k, v in self.targets.items()}
+
+    # ------------------------------------------------------------ trainers
+    def worker_started(self, rank: int, pid: int, node: str) -> None:
+        self.workers[int(rank)] = {"pid": pid, "node": node, "time": time.time()}
+
+    def worker_pids(self) -> dict:
+        return {r: w["pid"] for r, w in self.workers.items()}
+
+    def begin_attempt(self, step: int, world_size: int) -> dict:
+        """Rank 0 of a (re)started worker group, resuming after `step` committed steps."""
+        self.attempts += 1
+        dropped = rollback(self.dir / LEDGER, step)
+        self.rolled_back_steps += dropped
+        if self.attempts > 1:
+            self.trainer_restarts += 1
+            self._event("trainer_group_restarted", resume_step=step, rolled_back=dropped, world_size=world_size)
+        self._failures_gauge()
+        self.step_times = []
+        return {"attempt": self.attempts, "rolled_back": dropped}
+
+    def commit_step(self, record: dict, metrics: dict) -> None:
+        """One optimizer step: a ledger line and a metrics line (written before returning)."""
+        now = time.time()
+        self.step_times.append((now, int(metrics["tokens"])))
+        self.step_times = self.step_times[-20:]
+        if len(self.step_times) >= 2:
+            dt = self.step_times[-1][0] - self.step_times[0][0]
+            tps = sum(t for _, t in self.step_times[1:]) / max(dt, 1e-9)
+        else:
+            tps = 0.0
+        metrics = {**metrics, "tokens_per_second": tps, "attempt": self.attempts, "time": now,
+                   "failures_survived": self.failures_survived()}
+        record = {**record, "attempt": self.attempts}
+        with open(self.dir / LEDGER, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        with open(self.dir / METRICS, "a") as f:
+            f.write(json.dumps(metrics) + "\n")
+        self.last = metrics
+        m, tags = self.metrics, self.metrics.run
+        m.loss.set(float(metrics["loss"]), tags=tags)
+        m.tokens_per_s.set(tps, tags=tags)
+        m.step.set(int(metrics["step"]), tags=tags)
+        m.epoch_progress.set(float(metrics.get("epoch_progress", 0.0)), tags=tags)
+        for b in record.get("buckets", []):
+            if b >= 0:
+                m.bucket.observe(b, tags=tags)
+        if self.tb is not None:
+            for k in ("loss", "tokens_per_second", "lr", "grad_norm", "acceptance_length"):
+                if k in metrics and metrics[k] is not None:
+                    self.tb.add_scalar(f"train/{k}", float(metrics[k]), int(metrics["step"]))
+            self.tb.flush()
+
+    def checkpoint_done(self, step: int, seconds: float) -> None:
+        self.checkpoints.append({"step": int(step), "seconds": float(seconds)})
+        self.metrics.ckpt_s.set(float(seconds), tags=self.metrics.run)
+
+    def flush(self) -> bool:
+        return True  # actor calls run in order: when this returns, every earlier commit_step is on disk
+
+    # ------------------------------------------------------------ reporting
+    def failures_survived(self) -> int:
+        return self.trainer_restarts + self.target_restarts
+
+    def _failures_gauge(self):
+        self.metrics.failures.set(self.failures_survived(), tags=self.metrics.run)
+
+    def _event(self, kind: str, **kw) -> None:
+        with open(self.dir / EVENTS, "a") as f:
+            f.write(json.dumps({"event": kind, "time": time.time(), **kw}) + "\n")
+
+    def progress(self) -> dict:
+        return {"step": int(self.last.get("step", 0)), "total_steps": self.total_steps,
+                "loss": self.last.get("loss"), "tokens_per_second": self.last.get("tokens_per_second", 0.0),
+                "failures_survived": self.failures_survived(), "epoch": self.last.get("epoch")}
+
+    def report(self) -> dict:
+        now = time.time()
+        targets = {}
+        total = sum(t["batches"] for t in self.targets.values()) or 1
+        for k, t in self.targets.items():
+            life = max(now - t["started"], 1e-9)
+            targets[k] = {"batches": t["batches"], "share": t["batches"] / total, "busy_s": round(t["busy_s"], 3),
+                          "idle_fraction": max(0.0, 1 - t["busy_s"] / life), "restarts": t["restarts"],
+                          "pid": t["pid"], "node": t["node"]}
+        return {"trainer_restarts": self.trainer_restarts, "target_restarts": self.target_restarts,
+                "failures_survived": self.failures_survived(), "rolled_back_steps": self.rolled_back_steps,
+                "attempts": self.attempts, "max_batches_in_flight": self.max_in_flight, "window": self.window,
+                "targets": targets, "checkpoints": self.checkpoints, "last": self.last}
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+
+
+def last_metrics(run_dir) -> list[dict]:
+    """metrics.jsonl with replayed steps collapsed: the last record of each step wins."""
+    by_step = {}
+    for r in read_jsonl(Path(run_dir) / METRICS):
+        by_step[int(r["step"])] = r
+    return [by_step[s] for s in sorted(by_step)]
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+        return True
+    except OSError:
+        return False

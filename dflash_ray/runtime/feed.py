@@ -1,0 +1,123 @@
+"""The feed: which plan batches the trainers consume, in which order, starting from a resume cursor.
+
+Pure (no Ray, no torch): the Ray Data source, the train workers' checks and the tests all call it.
+
+    rows = epoch e's plan positions from the cursor on, then epoch e+1's from 0, ... up to the last
+           epoch or `max_steps`; each epoch's tail padded with filler rows (position -1) to a multiple
+           of W = drafter_workers x grad_accum, so an optimizer step never spans two epochs.
+    step s of this feed = rows [s*W, (s+1)*W); row i goes to rank i mod workers (Ray Data's
+           streaming_split hands one-row blocks out round-robin when the order is preserved), so rank r
+           trains rows s*W + a*workers + r for accumulation micro-step a.
+
+The cursor (epoch, position, step) is ours to keep: Ray Data iterators cannot be checkpointed.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import pyarrow as pa
+
+FILLER = -1
+
+
+@dataclass(frozen=True)
+class Cursor:
+    epoch: int = 0
+    position: int = 0      # next plan position of `epoch` to train
+    step: int = 0          # optimizer steps committed so far (global, over all epochs)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> "Cursor":
+        if not d:
+            return cls()
+        return cls(int(d.get("epoch", 0)), int(d.get("position", 0)), int(d.get("step", 0)))
+
+
+@dataclass
+class Feed:
+    cursor: Cursor
+    world: int
+    table: pa.Table             # index, epoch, position, epoch_batches, bucket, num_tokens, sample_ids, lengths
+    steps: int                  # optimizer steps in this feed
+    total_steps: int            # steps of the whole run: cursor.step + steps
+    epoch_steps: dict           # epoch -> steps that epoch has in this feed
+
+    @property
+    def num_rows(self) -> int:
+        return self.table.num_rows
+
+
+def steps_in_epoch(num_batches: int, start: int, world: int) -> int:
+    return -(-(num_batches - start) // world) if num_batches > start else 0
+
+
+def build_feed(plan_for_epoch, cursor: Cursor, world: int, epochs: int, max_steps: int | None) -> Feed:
+    """plan_for_epoch(e) -> Plan. Rows of every remaining step, fillers included."""
+    if world < 1:
+        raise ValueError(f"world must be >= 1, got {world}")
+    budget = None if max_steps is None else max(0, int(max_steps) - cursor.step)
+    cols = {k: [] for k in ("epoch", "position", "epoch_batches", "bucket", "num_tokens")}
+    sample_lists, length_lists, epoch_steps = [], [], {}
+    steps = 0
+    e, start = cursor.epoch, cursor.position
+    while e < epochs and (budget is None or steps < budget):
+        plan = plan_for_epoch(e)
+        n = plan.num_batches
+        k = steps_in_epoch(n, start, world)
+        if budget is not None:
+            k = min(k, budget - steps)
+        if k > 0:
+            stop = min(n, start + k * world)
+            pos = np.arange(start, stop, dtype=np.int64)
+            fill = k * world - pos.size
+            tokens = plan.batch_tokens()
+            cols["epoch"].append(np.full(k * world, e, np.int64))
+            cols["position"].append(np.concatenate([pos, np.full(fill, FILLER, np.int64)]))
+            cols["epoch_batches"].append(np.full(k * world, n, np.int64))
+            cols["bucket"].append(np.concatenate([plan.bucket[start:stop].astype(np.int64), np.full(fill, -1)]))
+            cols["num_tokens"].append(np.concatenate([tokens[start:stop].astype(np.int64), np.zeros(fill, np.int64)]))
+            for p in pos:
+                a, b = plan.offsets[p], plan.offsets[p + 1]
+                sample_lists.append(plan.sample_ids[a:b])
+                length_lists.append(plan.lengths[a:b])
+            sample_lists.extend([np.zeros(0, np.int64)] * fill)
+            length_lists.extend([np.zeros(0, np.int64)] * fill)
+            epoch_steps[e] = k
+            steps += k
+        e, start = e + 1, 0
+    n_rows = steps * world
+
+    def cat(name):
+        return np.concatenate(cols[name]) if cols[name] else np.zeros(0, np.int64)
+
+    table = pa.table({
+        "index": pa.array(np.arange(n_rows, dtype=np.int64)),
+        "epoch": pa.array(cat("epoch")),
+        "position": pa.array(cat("position")),
+        "epoch_batches": pa.array(cat("epoch_batches")),
+        "bucket": pa.array(cat("bucket")),
+        "num_tokens": pa.array(cat("num_tokens")),
+        "sample_ids": pa.array([x.tolist() for x in sample_lists], type=pa.list_(pa.int64())),
+        "lengths": pa.array([x.tolist() for x in length_lists], type=pa.list_(pa.int64())),
+    })
+    return Feed(cursor=cursor, world=world, table=table, steps=steps, total_steps=cursor.step + steps,
+                epoch_steps=epoch_steps)
+
+
+def rank_rows(step: int, world: int, workers: int, rank: int) -> list[int]:
+    """Feed row indices rank `rank` trains in step `step` (its accumulation micro-steps, in order)."""
+    accum = world // workers
+    return [step * world + a * workers + rank for a in range(accum)]
+
+
+def cursor_after(epoch: int, positions, epoch_batches: int, step: int) -> Cursor:
+    """The cursor after a committed step that trained `positions` (fillers = -1) of `epoch`."""
+    real = [int(p) for p in positions if int(p) != FILLER]
+    nxt = (max(real) + 1) if real else epoch_batches
+    if nxt >= epoch_batches:
+        return Cursor(epoch + 1, 0, step)
+    return Cursor(epoch, nxt, step)

@@ -1,0 +1,218 @@
+"""The Ray Data pipeline: feed rows -> tokens joined -> TargetForward actor pool -> Ray Train workers.
+
+    ray.data.range(rows, one row per block)            the feed (feed.py) from the resume cursor
+      .map_batches(join_tokens)   tasks                 admitted by the flight window, then the batch's
+                                                        tokens looked up and right-padded
+      .map_batches(TargetForward) actor pool            one actor per target GPU (a custom resource on
+                                                        CPU machines): context features of the tapped layers
+      -> streaming_split(workers) inside Ray Train      order preserved, one-row blocks: round-robin
+
+`DatasetFactory` is handed to `TorchTrainer(datasets={"train": factory})`: Ray Train calls it each time
+the worker group (re)starts, so a restarted group gets a fresh stream that starts at the checkpoint's
+cursor. The token table is put in the object store once by the driver; every join task maps it
+zero-copy from shared memory.
+"""
+from __future__ import annotations
+
+import os
+import time
+
+import numpy as np
+
+FEATURE_DTYPES = {"float32": np.float32, "bfloat16": np.int16, "float16": np.float16}
+
+
+class _Ref:
+    """Holds an ObjectRef so Ray Data passes it through unresolved (resolved once per process)."""
+
+    def __init__(self, ref):
+        self.ref = ref
+
+
+_CACHE: dict = {}
+
+
+def _get(holder: _Ref):
+    import ray
+
+    key = holder.ref.hex()
+    if key not in _CACHE:
+        if len(_CACHE) > 8:
+            _CACHE.clear()
+        _CACHE[key] = ray.get(holder.ref)
+    return _CACHE[key]
+
+
+class TokenStore:
+    """All samples' tokens as flat numpy arrays sorted by sample_id, with lookups by id. The arrays go
+    into the object store once (driver); every process maps them zero-copy."""
+
+    def __init__(self, ids, offsets, tokens, mask):
+        self.ids, self.offsets, self.tokens, self.mask = ids, offsets, tokens, mask
+
+    @classmethod
+    def from_table(cls, table) -> "TokenStore":
+        import pyarrow.compute as pc
+
+        table = table.take(pc.sort_indices(table, sort_keys=[("sample_id", "ascending")]))
+        ids_col = table.column("input_ids").combine_chunks()
+        mask_col = table.column("loss_mask").combine_chunks()
+        offsets = ids_col.offsets.to_numpy().astype(np.int64)
+        base = offsets[0]
+        return cls(table.column("sample_id").to_numpy().astype(np.int64), offsets - base,
+                   ids_col.values.to_numpy()[base:], mask_col.values.to_numpy()[base:])
+
+    def arrays(self) -> dict:
+        return {"ids": self.ids, "offsets": self.offsets, "tokens": self.tokens, "mask": self.mask}
+
+    def batch(self, sample_ids, lengths, pad_id: int):
+        rows = np.searchsorted(self.ids, sample_ids)
+        if (rows >= self.ids.size).any() or (self.ids[np.minimum(rows, self.ids.size - 1)] != sample_ids).any():
+            missing = [int(s) for s, r in zip(sample_ids, rows) if r >= self.ids.size or self.ids[r] != s]
+            raise KeyError(f"sample ids not in the shards: {missing[:5]}")
+        width = int(max(lengths))
+        ids = np.full((len(rows), width), pad_id, np.int32)
+        mask = np.zeros((len(rows), width), np.int8)
+        for i, (r, n) in enumerate(zip(rows, lengths)):
+            a = self.offsets[r]
+            ids[i, :n] = self.tokens[a:a + n]
+            mask[i, :n] = self.mask[a:a + n]
+        return ids, mask
+
+
+def join_tokens(batch: dict, *, feed: _Ref, tokens: _Ref, coordinator: str, namespace: str, gen: int,
+                pad_id: int, block_size: int) -> dict:
+    """One feed row -> one batch of right-padded tokens (after the flight window admits it)."""
+    import ray
+
+    index = int(batch["id"][0])
+    coord = ray.get_actor(coordinator, namespace=namespace)
+    ray.get(coord.admit.remote(gen, index))
+    table = _get(feed)
+    row = {k: table.column(k)[index].as_py() for k in ("index", "epoch", "position", "epoch_batches",
+                                                       "bucket", "num_tokens", "sample_ids", "lengths")}
+    if row["position"] < 0:  # filler: pads an epoch's last step to W batches; trains nothing
+        n = 2 * block_size + 2
+        ids, mask, lengths = np.full((1, n), pad_id, np.int32), np.ones((1, n), np.int8), np.array([n])
+    else:
+        store = TokenStore(**_get(tokens))
+        lengths = np.asarray(row["lengths"], np.int64)
+        ids, mask = store.batch(np.asarray(row["sample_ids"], np.int64), lengths, pad_id)
+    out = {k: np.array([row[k]], np.int64) for k in ("index", "epoch", "position", "epoch_batches", "bucket",
+                                                     "num_tokens")}
+    out["gen"] = np.array([gen], np.int64)
+    out["input_ids"] = ids[None]
+    out["loss_mask"] = mask[None]
+    out["lengths"] = lengths.astype(np.int32)[None]
+    return out
+
+
+class TargetForward:
+    """One per target GPU (a custom resource stands in on the CPU): the frozen target's tapped-layer
+    features for each batch. Ray restarts a killed actor (Ray Data retries its batch on a live one)."""
+
+    def __init__(self, target_path: str, layer_ids: list, use_gpu: bool, coordinator: str, namespace: str,
+                 threads: int = 1):
+        import ray
+        import torch
+
+        from dflash_ray.model.target import TargetFeatureExtractor, load_target
+
+        if not use_gpu:
+            torch.set_num_threads(max(1, threads))
+        self.device = torch.device("cuda" if use_gpu else "cpu")
+        self.model = load_target(target_path, device=self.device)
+        self.extract = TargetFeatureExtractor(self.model, list(layer_ids))
+        self.key = ray.get_runtime_context().get_actor_id()[:12]
+        self.coord = ray.get_actor(coordinator, namespace=namespace)
+        ray.get(self.coord.target_started.remote(self.key, os.getpid(), ray.get_runtime_context().get_node_id()))
+
+    def __call__(self, batch: dict) -> dict:
+        import torch
+
+        t0 = time.perf_counter()
+        lengths = torch.from_numpy(batch["lengths"][0].astype(np.int64))
+        if int(batch["position"][0]) < 0:
+            width = self.extract.hidden_size * len(self.extract.layer_ids)
+            feats = np.zeros((1,) + batch["input_ids"].shape[1:] + (width,), np.float32)
+            dtype = "float32"
+        else:
+            ids = torch.from_numpy(batch["input_ids"][0].astype(np.int64)).to(self.device)
+            attn = (torch.arange(ids.shape[1])[None] < lengths[:, None]).long().to(self.device)
+            out = self.extract(ids, attn)
+            if out.dtype == torch.bfloat16:  # numpy has no bf16: ship the bits
+                feats, dtype = out.view(torch.int16).cpu().numpy()[None], "bfloat16"
+            else:
+                feats, dtype = out.float().cpu().numpy()[None], "float32"
+            if self.device.type == "cuda":
+                torch.cuda.synchronize()
+        busy = time.perf_counter() - t0
+        self.coord.target_batch.remote(self.key, busy, int(batch["num_tokens"][0]))
+        batch["context"] = feats
+        batch["context_dtype"] = np.array([dtype])
+        batch["target_actor"] = np.array([self.key])
+        batch["target_seconds"] = np.array([busy])
+        return batch
+
+
+def context_tensor(batch: dict):
+    import torch
+
+    arr = batch["context"][0]
+    t = torch.from_numpy(np.ascontiguousarray(arr))
+    if str(batch["context_dtype"][0]) == "bfloat16":
+        t = t.view(torch.bfloat16)
+    return t
+
+
+class DatasetFactory:
+    """Called by Ray Train (in its controller) each time the worker group starts: the stream of the
+    remaining steps from the latest registered checkpoint's cursor."""
+
+    def __init__(self, spec, tokens_ref, experiment_dir: str):
+        self.spec = spec
+        self.tokens = _Ref(tokens_ref)
+        self.experiment_dir = experiment_dir
+
+    def feed(self):
+        from dflash_ray.runtime.checkpoint import latest_checkpoint_cursor
+        from dflash_ray.runtime.feed import build_feed
+        from dflash_ray.runtime.spec import build_plan_for
+
+        cursor = latest_checkpoint_cursor(self.experiment_dir)
+        plans = {}
+
+        def plan_for(e):
+            if e not in plans:
+                plans[e] = build_plan_for(self.spec.plan_cfg, e)
+            return plans[e]
+
+        return build_feed(plan_for, cursor, self.spec.world, self.spec.epochs, self.spec.max_steps)
+
+    def __call__(self):
+        import ray
+        from ray.data import ActorPoolStrategy
+
+        s = self.spec
+        feed = self.feed()
+        coord = ray.get_actor(s.coordinator, namespace=s.namespace)
+        gen = ray.get(coord.reset_feed.remote(feed.total_steps, feed.cursor.step))
+        feed_ref = ray.put(feed.table)
+        n = max(feed.num_rows, 1)
+        ds = ray.data.range(n, override_num_blocks=n)
+        if feed.num_rows == 0:
+            return ds.limit(0)
+        ds = ds.map_batches(
+            join_tokens, batch_size=1, num_cpus=0.1 if not s.use_gpu else 1,
+            fn_kwargs=dict(feed=_Ref(feed_ref), tokens=self.tokens, coordinator=s.coordinator,
+                           namespace=s.namespace, gen=gen, pad_id=s.pad_token_id,
+                           block_size=int(s.model_cfg["block_size"])))
+        if s.use_gpu:
+            res = dict(num_gpus=1, num_cpus=1)
+        else:
+            res = dict(num_cpus=0.5, resources={s.target_resource: 1})
+        return ds.map_batches(
+            TargetForward, batch_size=1, compute=ActorPoolStrategy(size=s.target_workers),
+            fn_constructor_kwargs=dict(target_path=s.target_path, layer_ids=s.target_layer_ids,
+                                       use_gpu=s.use_gpu, coordinator=s.coordinator, namespace=s.namespace),
+            **res)
