@@ -76,36 +76,26 @@ def resolve_backend(backend: str, device: torch.device) -> str:
     return backend
 
 
-def make_training_attend(anchors: torch.Tensor, ctx_len: int, block_size: int, backend: str = "auto",
-                         compile_flex: bool | None = None):
-    """Return attend(q, k, v) for one training forward (the mask is built once, shared by all layers).
+def training_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, backend: str = "auto"):
+    """The mask for one training forward, built once and shared by all layers: a BlockMask (flex) or a
+    boolean tensor (sdpa). anchors [B, N]; padding anchors are 0 (they see no context; zero loss weight)."""
+    if resolve_backend(backend, anchors.device) == "sdpa":
+        return dense_mask(anchors, ctx_len, block_size)
+    return flex_block_mask(anchors, ctx_len, block_size)
 
-    anchors [B, N] with padding anchors set to 0 (they see no context; their loss weight is zero)."""
-    backend = resolve_backend(backend, anchors.device)
-    if backend == "sdpa":
-        mask = dense_mask(anchors, ctx_len, block_size)
 
-        def attend(q, k, v):
-            q, k, v = _common_dtype(q, k, v)
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+def attend(q, k, v, mask=None):
+    """q [B, heads, Q, D], k/v [B, kv_heads, K, D] -> [B, heads, Q, D].
 
-        return attend
-
+    mask None: every key visible (inference: the block sees all cached context and itself, as the
+    reference's unmasked path); a boolean tensor: SDPA; a BlockMask: FlexAttention (compiled on CUDA
+    unless already inside a compiled region)."""
+    q, k, v = _common_dtype(q, k, v)
+    if mask is None or isinstance(mask, torch.Tensor):
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     from torch.nn.attention.flex_attention import flex_attention
 
-    block_mask = flex_block_mask(anchors, ctx_len, block_size)
-    if compile_flex is None:
-        compile_flex = anchors.device.type == "cuda"
-    kernel = _compiled_flex() if compile_flex else flex_attention
-
-    def attend(q, k, v):
-        q, k, v = _common_dtype(q, k, v)
-        return kernel(q, k, v, block_mask=block_mask, enable_gqa=True)
-
-    return attend
-
-
-def attend_all(q, k, v):
-    """Inference: the block sees every cached context position and itself (the reference's no-mask path)."""
-    q, k, v = _common_dtype(q, k, v)
-    return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+    kernel = flex_attention
+    if q.device.type == "cuda" and not torch.compiler.is_compiling():
+        kernel = _compiled_flex()
+    return kernel(q, k, v, block_mask=mask, enable_gqa=True)

@@ -19,7 +19,7 @@ from torch.nn import functional as F
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
-from .attention import attend_all, make_training_attend
+from .attention import training_mask
 from .layers import DrafterLayer, RMSNorm
 from .loss import LossOutput, chunked_head_ce, default_gamma, slot_weights
 from .target import default_target_layer_ids
@@ -126,6 +126,13 @@ class DFlashDrafter(nn.Module):
             elif isinstance(module, RMSNorm):
                 nn.init.ones_(module.weight)
 
+    def compile_layers(self, **kwargs):
+        """torch.compile each decoder layer in place (state_dict names unchanged); for the GPU, where the
+        layers' matmuls, norms and flex attention fuse. Shapes are static per (S, num_anchors)."""
+        for layer in self.layers:
+            layer.compile(**{"dynamic": False, **kwargs})
+        return self
+
     def trainable_parameters(self):
         return [p for p in self.parameters() if p.requires_grad]
 
@@ -183,9 +190,9 @@ class DFlashDrafter(nn.Module):
         blk_pos = (anchors[:, :, None] + torch.arange(bs, device=anchors.device)).view(bsz, n * bs)
         ctx_cos, ctx_sin = self.rotary_emb(ctx_h, ctx_pos)
         cos, sin = self.rotary_emb(x, blk_pos)
-        attend = make_training_attend(anchors, seq, bs, self.attention_backend)
+        mask = training_mask(anchors, seq, bs, self.attention_backend)
         for layer in self.layers:
-            x = layer(x, ctx_h, ctx_cos, ctx_sin, cos, sin, attend)
+            x = layer(x, ctx_h, ctx_cos, ctx_sin, cos, sin, mask)
         return self.norm(x).view(bsz, n, bs, -1)
 
     def block_loss(self, hidden, input_ids, loss_mask, lengths, anchors, valid) -> LossOutput:
@@ -247,7 +254,7 @@ class DFlashDrafter(nn.Module):
         pos = torch.arange(cache.length, cache.length + block_ids.shape[1], device=block_ids.device)[None]
         cos, sin = self.rotary_emb(x, pos)
         for layer, kv in zip(self.layers, cache.kv):
-            x = layer(x, None, None, None, cos, sin, attend_all, ctx_kv=kv)
+            x = layer(x, None, None, None, cos, sin, None, ctx_kv=kv)
         return self.norm(x)
 
 

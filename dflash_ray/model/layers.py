@@ -11,6 +11,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from .attention import attend
+
 
 class RMSNorm(nn.Module):
     """Qwen3RMSNorm: normalise in fp32, scale in the input dtype (same numbers as transformers)."""
@@ -75,16 +77,16 @@ class DrafterAttention(nn.Module):
         v = self.v_proj(x).view(bsz, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
         return apply_rope(k, cos, sin), v
 
-    def forward(self, x, ctx_k, ctx_v, cos, sin, attend) -> torch.Tensor:
+    def forward(self, x, ctx_k, ctx_v, cos, sin, mask) -> torch.Tensor:
         """x: block tokens [B, Q, H] (already input-normed); ctx_k/ctx_v: context K/V [B, kv, S, D];
-        cos/sin for the block positions; `attend(q, k, v)` applies the visibility rule."""
+        cos/sin for the block positions; mask: the visibility rule (attention.training_mask) or None."""
         bsz, q_len, _ = x.shape
         q = self.q_norm(self.q_proj(x).view(bsz, q_len, self.num_heads, self.head_dim)).transpose(1, 2)
         q = apply_rope(q, cos, sin)
         k_blk, v_blk = self.keys_values(x, cos, sin)
         k = torch.cat([ctx_k, k_blk], dim=2)  # context first, as the reference (and its KV cache) orders them
         v = torch.cat([ctx_v, v_blk], dim=2)
-        out = attend(q, k, v)  # [B, heads, Q, D]
+        out = attend(q, k, v, mask)  # [B, heads, Q, D]
         return self.o_proj(out.transpose(1, 2).reshape(bsz, q_len, -1))
 
 
@@ -96,9 +98,9 @@ class DrafterLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, x, ctx_h, ctx_cos, ctx_sin, cos, sin, attend, ctx_kv=None) -> torch.Tensor:
+    def forward(self, x, ctx_h, ctx_cos, ctx_sin, cos, sin, mask, ctx_kv=None) -> torch.Tensor:
         """ctx_h: the shared context [B, S, H] at ctx_cos/ctx_sin positions, or ctx_kv: its cached K/V."""
         if ctx_kv is None:
             ctx_kv = self.self_attn.keys_values(ctx_h, ctx_cos, ctx_sin)
-        x = x + self.self_attn(self.input_layernorm(x), *ctx_kv, cos, sin, attend)
+        x = x + self.self_attn(self.input_layernorm(x), *ctx_kv, cos, sin, mask)
         return x + self.mlp(self.post_attention_layernorm(x))

@@ -69,6 +69,7 @@ class RunCoordinator:
         self.workers: dict[int, dict] = {}
         self.last: dict = {}
         self.total_steps = 0
+        self.feed: dict = {}
         self.step_times: list[tuple[float, int]] = []
         self.checkpoints: list[dict] = []
         self.started = time.time()
@@ -81,15 +82,19 @@ class RunCoordinator:
             self.tb = SummaryWriter(str(self.dir / "tensorboard"))
 
     # ------------------------------------------------------------ flight window
-    async def reset_feed(self, total_steps: int, start_step: int) -> int:
+    async def reset_feed(self, total_steps: int, cursor: dict, world: int) -> int:
         """A new Ray Data stream starts (first start or a restart): a new generation of row indices."""
         async with self.cond:
             self.gen += 1
             self.consumed, self.admitted = 0, -1
             self.total_steps = int(total_steps)
-            self.start_step = int(start_step)
+            self.feed = {"gen": self.gen, "total_steps": int(total_steps), "cursor": dict(cursor),
+                         "world": int(world)}
             self.cond.notify_all()
             return self.gen
+
+    def feed_info(self) -> dict:
+        return dict(self.feed)
 
     async def admit(self, gen: int, index: int) -> bool:
         async with self.cond:

@@ -196,7 +196,7 @@ class DatasetFactory:
         s = self.spec
         feed = self.feed()
         coord = ray.get_actor(s.coordinator, namespace=s.namespace)
-        gen = ray.get(coord.reset_feed.remote(feed.total_steps, feed.cursor.step))
+        gen = ray.get(coord.reset_feed.remote(feed.total_steps, feed.cursor.as_dict(), s.world))
         feed_ref = ray.put(feed.table)
         n = max(feed.num_rows, 1)
         ds = ray.data.range(n, override_num_blocks=n)

@@ -1,0 +1,244 @@
+"""The driver side of the main job: connect to (or start) Ray, start the coordinator, run the
+TorchTrainer over the Ray Data stream, show progress, export the drafter, write summary.json."""
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+
+from dflash_ray.errors import UserError
+
+STATE_TRACKING = {"RAY_TRAIN_ENABLE_STATE_TRACKING": "1"}
+
+
+def connect(cfg, log=print) -> bool:
+    """Connect to cluster.address / $RAY_ADDRESS, or start a local Ray. Returns True if we started it."""
+    import ray
+
+    os.environ.update(STATE_TRACKING)  # the dashboard's Train view (local Ray inherits it)
+    if ray.is_initialized():
+        return False
+    c = cfg.cluster
+    address = c.address or os.environ.get("RAY_ADDRESS")
+    runtime_env = {"env_vars": dict(STATE_TRACKING)}
+    if address:
+        ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
+        log(f"connected to Ray at {address}")
+        return False
+    resources = {} if c.use_gpu else {str(c.target_resource): float(c.target_workers)}
+    ray.init(num_cpus=c.num_cpus, object_store_memory=c.object_store_memory, resources=resources,
+             runtime_env=runtime_env, log_to_driver=False)
+    log(f"started a local Ray ({c.num_cpus} CPUs, resources {resources or 'GPUs'})")
+    return True
+
+
+def check_resources(spec) -> None:
+    """Fail before training when the cluster cannot place the actors (rather than hanging)."""
+    import ray
+
+    total = ray.cluster_resources()
+    if spec.use_gpu:
+        need = spec.target_workers + spec.drafter_workers
+        if total.get("GPU", 0) < need:
+            raise UserError(f"cluster has {total.get('GPU', 0):g} GPUs but cluster.target_workers + "
+                            f"cluster.drafter_workers = {need}")
+    elif total.get(spec.target_resource, 0) < spec.target_workers:
+        raise UserError(f"cluster has {total.get(spec.target_resource, 0):g} of resource '{spec.target_resource}' "
+                        f"but cluster.target_workers = {spec.target_workers} (start Ray with "
+                        f"--resources '{{\"{spec.target_resource}\": {spec.target_workers}}}')")
+
+
+def start_coordinator(spec, num_buckets: int):
+    import ray
+
+    from dflash_ray.runtime.coordinator import RunCoordinator
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    node = ray.get_runtime_context().get_node_id()
+    actor = ray.remote(RunCoordinator).options(
+        name=spec.coordinator, namespace=spec.namespace, num_cpus=0, max_concurrency=1000,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+    ).remote(spec.run_dir, spec.run_name, spec.max_batches_in_flight, num_buckets, spec.tensorboard)
+    ray.get(actor.progress.remote())
+    return actor
+
+
+class Progress:
+    """The driver's progress bar: step/total, tokens/s, loss, ETA (tqdm), failures survived."""
+
+    def __init__(self, coord, enabled: bool = True):
+        self.coord, self.enabled = coord, enabled
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def __enter__(self):
+        if self.enabled:
+            self.thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.stop.set()
+        if self.enabled:
+            self.thread.join(timeout=5)
+
+    def _run(self):
+        import ray
+        from tqdm import tqdm
+
+        bar = None
+        while not self.stop.is_set():
+            try:
+                p = ray.get(self.coord.progress.remote(), timeout=10)
+            except Exception:
+                break
+            if p["total_steps"]:
+                if bar is None:
+                    bar = tqdm(total=p["total_steps"], desc="train", unit="step", dynamic_ncols=True,
+                               mininterval=0.5)
+                bar.total = p["total_steps"]
+                bar.n = p["step"]
+                loss = p["loss"]
+                bar.set_postfix_str(f"tok/s={p['tokens_per_second']:.0f} loss={loss if loss is None else round(loss, 4)} "
+                                    f"failures={p['failures_survived']}", refresh=False)
+                bar.refresh()
+            self.stop.wait(1.0)
+        if bar is not None:
+            try:
+                p = ray.get(self.coord.progress.remote(), timeout=10)
+                bar.n = p["step"]
+                bar.refresh()
+            except Exception:
+                pass
+            bar.close()
+
+
+def run_training(spec, plan_summary: dict, *, progress: bool = True, log=print) -> dict:
+    """Train (or resume) the run described by spec. Returns summary.json's content."""
+    import ray
+    from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchConfig, TorchTrainer
+
+    from dflash_ray.data.shards import read_all
+    from dflash_ray.runtime.coordinator import last_metrics
+    from dflash_ray.runtime.loop import train_loop_per_worker
+    from dflash_ray.runtime.pipeline import DatasetFactory, TokenStore
+
+    check_resources(spec)
+    coord = start_coordinator(spec, len(plan_summary.get("buckets", [])) or 1)
+    t0 = time.time()
+    tokens_ref = ray.put(TokenStore.from_table(read_all(spec.shards, spec.vocab_size)).arrays())
+    experiment_dir = f"{spec.storage_path.rstrip('/')}/{spec.run_name}"
+    from ray.data import DataContext
+
+    exec_opts = DataContext.get_current().execution_options
+    exec_opts.preserve_order = True  # with one-row blocks: round-robin over the train workers
+    trainer = TorchTrainer(
+        train_loop_per_worker,
+        train_loop_config={"spec": spec, "threads": 1},
+        torch_config=TorchConfig(backend="nccl" if spec.use_gpu else "gloo"),
+        scaling_config=ScalingConfig(num_workers=spec.drafter_workers, use_gpu=spec.use_gpu,
+                                     resources_per_worker=None if spec.use_gpu else {"CPU": 1}),
+        run_config=RunConfig(
+            name=spec.run_name, storage_path=spec.storage_path,
+            checkpoint_config=CheckpointConfig(num_to_keep=spec.num_to_keep),
+            failure_config=FailureConfig(max_failures=spec.max_failures)),
+        datasets={"train": DatasetFactory(spec, tokens_ref, experiment_dir)},
+        dataset_config=DataConfig(execution_options=exec_opts),
+    )
+    try:
+        with Progress(coord, enabled=progress):
+            result = trainer.fit()
+        report = ray.get(coord.report.remote())
+    finally:
+        try:
+            ray.get(coord.close.remote(), timeout=10)
+        except Exception:
+            pass
+    wall = time.time() - t0
+    if result.error is not None:
+        raise result.error
+    summary = build_summary(spec, plan_summary, report, result.checkpoint.path if result.checkpoint else None,
+                            last_metrics(spec.run_dir), wall)
+    ray.kill(coord)
+    return summary
+
+
+def build_summary(spec, plan_summary, report, checkpoint_path, metrics, wall) -> dict:
+    from dflash_ray.runtime.ledger import LEDGER, read_jsonl, verify_ledger
+
+    ledger = read_jsonl(Path(spec.run_dir) / LEDGER)
+    sizes = {}
+    for r in ledger:
+        sizes.setdefault(int(r["epoch"]), None)
+    plan_sizes = _plan_sizes(spec, sorted(sizes))
+    finished = [e for e in plan_sizes if any(int(r["epoch"]) > e for r in ledger)
+                or _epoch_complete(ledger, e, plan_sizes[e])]
+    check = verify_ledger(ledger, plan_sizes, finished_epochs=finished)
+    tokens = sum(int(m["tokens"]) for m in metrics)
+    steady = metrics[1:]
+    span = (steady[-1]["time"] - metrics[0]["time"]) if len(steady) >= 1 else 0.0
+    tps = sum(int(m["tokens"]) for m in steady) / span if span > 0 else 0.0
+    return {
+        "run": spec.run_name, "run_dir": spec.run_dir,
+        "steps": int(metrics[-1]["step"]) if metrics else 0,
+        "epochs": sorted({int(m["epoch"]) for m in metrics}),
+        "epochs_finished": finished,
+        "tokens": tokens, "tokens_per_second": tps, "wall_seconds": wall,
+        "end_to_end_tokens_per_second": tokens / wall if wall > 0 else 0.0,
+        "final_loss": metrics[-1]["loss"] if metrics else None,
+        "final_acceptance_length": metrics[-1].get("acceptance_length") if metrics else None,
+        "plan": {k: plan_summary.get(k) for k in ("batches", "tokens", "padding_efficiency", "strategy", "order")},
+        "world": spec.world, "drafter_workers": spec.drafter_workers, "target_workers": spec.target_workers,
+        "failures_survived": report["failures_survived"], "trainer_restarts": report["trainer_restarts"],
+        "target_restarts": report["target_restarts"], "rolled_back_steps": report["rolled_back_steps"],
+        "max_batches_in_flight": report["max_batches_in_flight"], "flight_window": report["window"],
+        "target_actors": report["targets"], "checkpoints": report["checkpoints"],
+        "checkpoint": checkpoint_path, "ledger": check, "export": str(Path(spec.run_dir) / "export"),
+    }
+
+
+def _epoch_complete(ledger, epoch, n) -> bool:
+    got = {p for r in ledger if int(r["epoch"]) == epoch for p in r["positions"] if p >= 0}
+    return len(got) >= n
+
+
+def _plan_sizes(spec, epochs) -> dict:
+    from dflash_ray.runtime.spec import build_plan_for
+    from dflash_ray.data.shards import read_lengths
+
+    lengths = read_lengths(spec.shards)[:2]
+    return {e: build_plan_for(spec.plan_cfg, e, lengths=lengths).num_batches for e in epochs}
+
+
+def export_checkpoint(spec, checkpoint_dir: str, out_dir: str) -> str:
+    """Write the drafter of a checkpoint as a Hugging Face directory the reference `dflash` loads."""
+    import torch
+
+    from dflash_ray.model.export import export_drafter
+    from dflash_ray.runtime.checkpoint import load_weights, read_state
+    from dflash_ray.runtime.loop import build_model
+
+    read_state(Path(checkpoint_dir))
+    drafter = build_model(spec, torch.device("cpu"))
+    drafter.load_state_dict(load_weights(Path(checkpoint_dir)), strict=True)
+    return export_drafter(drafter, out_dir)
+
+
+def latest_checkpoint_dir(spec) -> str | None:
+    from dflash_ray.runtime.checkpoint import SNAPSHOT
+
+    path = Path(spec.storage_path) / spec.run_name / SNAPSHOT
+    if not path.exists():
+        return None
+    latest = json.loads(path.read_text()).get("latest_checkpoint_result")
+    if not latest:
+        return None
+    return str(Path(spec.storage_path) / spec.run_name / latest["checkpoint_dir_name"])
+
+
+def write_json_atomic(path: Path, obj) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=2, default=str))
+    os.replace(tmp, path)

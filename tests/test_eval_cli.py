@@ -1,0 +1,57 @@
+"""`dflash-ray eval`: the CLI glue around dflash_ray.model.evaluate (prompt files, tokenizer, output)."""
+import json
+
+import pytest
+from helpers_data import make_tokenizer, write_jsonl
+from transformers import AutoTokenizer
+
+from dflash_ray.cli import run_command
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    from dflash_ray.model.drafter import build_drafter
+    from dflash_ray.model.export import export_drafter
+    from dflash_ray.model.target import build_synthetic_target, load_embed_and_head, load_target
+
+    root = tmp_path_factory.mktemp("eval")
+    _, tokdir = make_tokenizer(root)
+    tok = AutoTokenizer.from_pretrained(str(tokdir))
+    tcfg = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, max_position_embeddings=512, tie_word_embeddings=True)
+    target_dir = build_synthetic_target(tcfg, len(tok), str(root / "target"), seed=0)
+    embed, head = load_embed_and_head(target_dir)
+    drafter = build_drafter({"num_draft_layers": 1, "block_size": 4, "num_anchors": 8}, load_target(target_dir).config,
+                            embed, head, mask_token_id=tok.mask_token_id, seed=0)
+    return root, tokdir, target_dir, export_drafter(drafter, str(root / "drafter"))
+
+
+def test_eval_reads_conversation_and_text_prompts_and_reports_tau(pair, capsys):
+    root, tokdir, target_dir, drafter_dir = pair
+    prompts = write_jsonl(root / "p.jsonl", [
+        {"conversations": [{"role": "user", "content": "Count from 3 to 9."}, {"role": "assistant", "content": "3"}]},
+        {"prompt": "Repeat 'red blue' 3 times."},
+        {"input_ids": [5, 6, 7, 8]},
+    ])
+    rc = run_command("eval", [f"drafter={drafter_dir}", f"target={target_dir}", f"data.prompts={prompts}",
+                              f"data.tokenizer={tokdir}", "eval.max_new_tokens=10", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0
+    assert out["num_prompts"] == 3 and out["outputs_match_greedy"] is True
+    assert 1.0 <= out["tau"] <= 4.0 and sum(out["acceptance_histogram"]) == out["num_cycles"]
+    rc = run_command("eval", [f"drafter={drafter_dir}", f"target={target_dir}", f"data.prompts={prompts}",
+                              f"data.tokenizer={tokdir}", "eval.max_new_tokens=6", "eval.max_prompts=1"])
+    text = capsys.readouterr().out
+    assert rc == 0 and "tau" in text and "1 prompts" in text and "output equals plain greedy decoding     : yes" in text
+
+
+def test_eval_bad_inputs_exit_2_with_one_line(pair, tmp_path, capsys):
+    root, tokdir, target_dir, drafter_dir = pair
+    bad = write_jsonl(tmp_path / "bad.jsonl", [{"input_ids": [1, 2]}, "{not json"])
+    rc = run_command("eval", [f"drafter={drafter_dir}", f"target={target_dir}", f"data.prompts={bad}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "bad.jsonl: line 2: malformed JSON" in err[0]
+    rc = run_command("eval", [f"drafter={tmp_path}", f"target={target_dir}", f"data.prompts={bad}"])
+    assert rc == 2 and "no config.json" in capsys.readouterr().err
+    rc = run_command("eval", [f"target={target_dir}", f"data.prompts={bad}"])
+    assert rc == 2 and "config key 'drafter' must be set" in capsys.readouterr().err
