@@ -1,28 +1,55 @@
-"""The main job: `dflash-ray train` / `python -m dflash_ray.train [overrides]`.
+"""The main job: `dflash-ray train` / `python -m dflash_ray.train [overrides]` / `ray job submit ... --
+python -m dflash_ray.train cluster=8gpu ...`.
 
-With no arguments it runs the embedded default: synthetic corpus and tokenizer, prepared shards, the
-epoch plan. (Training through the Ray runtime is added by the runtime layer.)
+    data    ensure_data: the shards (with no arguments: a synthetic corpus + tokenizer, prepared)
+    target  model.target_path, or a tiny one synthesised into <run.dir>/target
+    plan    the epoch plan (printed), a pure function of the data and the config
+    train   Ray: plan rows -> tokens -> TargetForward actors -> TorchTrainer drafter workers (DDP),
+            checkpoints every train.checkpoint_every steps, restarts from them on failure
+    export  <run.dir>/export, a Hugging Face drafter the reference `dflash` package loads
+    summary <run.dir>/summary.json
+
+Rerunning the same run.name resumes the run from its latest checkpoint.
 """
 from __future__ import annotations
 
+import json
 import sys
+from pathlib import Path
 
 
 def train_command(cfg, args) -> int:
-    from dflash_ray.data.default import ensure_data
-    from dflash_ray.data.plan import plan_from_config
-    from dflash_ray.data.report import format_plan
+    from dflash_ray.runtime.driver import main_job
 
-    ensure_data(cfg)
-    plan = plan_from_config(cfg, epoch=0)
-    print(format_plan(plan.summary()))
+    quiet = bool(getattr(args, "json", False))
+    log = (lambda *a, **k: print(*a, file=sys.stderr, **k)) if quiet else print
+    spec, summary = main_job(cfg, progress=not quiet, log=log, plan_log=log)
+    if quiet:
+        print(json.dumps(summary, indent=2, default=str))
+        return 0
+    led = summary["ledger"]
+    print(f"trained {summary['steps']} steps, {summary['tokens']} tokens at "
+          f"{summary['tokens_per_second']:.0f} tokens/s; final loss {summary['final_loss']:.4f}; "
+          f"failures survived: {summary['failures_survived']}; ledger "
+          f"{'exactly-once' if led['ok'] else 'NOT OK: ' + json.dumps(led)}")
+    print(f"export: {summary['export']}")
+    print(f"run directory: {spec.run_dir}")
     return 0
 
 
 def export_command(cfg, args) -> int:
+    """`dflash-ray export [run.name=...]`: export the latest checkpoint of a run to <run.dir>/export."""
     from dflash_ray.errors import UserError
+    from dflash_ray.runtime.driver import export_checkpoint, latest_checkpoint_dir
+    from dflash_ray.runtime.spec import resolve_spec
 
-    raise UserError("export needs a trained run (the runtime layer provides it)")
+    spec = resolve_spec(cfg, log=lambda *a, **k: None)
+    ckpt = latest_checkpoint_dir(spec)
+    if ckpt is None:
+        raise UserError(f"{spec.storage_path}/{spec.run_name}: no checkpoint to export (train the run first)")
+    out = export_checkpoint(spec, ckpt, str(Path(spec.run_dir) / "export"))
+    print(f"exported {ckpt} -> {out}")
+    return 0
 
 
 if __name__ == "__main__":

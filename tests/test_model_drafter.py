@@ -312,3 +312,24 @@ def test_build_drafter_reads_omegaconf_and_defaults(setup):
                             "num_anchors": 4, "loss_gamma": 2.5})
     d = build_drafter(cfg, target.config, target.model.embed_tokens.weight, target.lm_head.weight, 5)
     assert d.target_layer_ids == [0, 4] and d.loss_gamma == 2.5 and d.block_size == 4
+
+
+def test_bf16_autocast_step_runs_and_agrees(setup):
+    """The GPU recipe's dtypes (bf16 target tensors and features, autocast, fp32 master weights), on the CPU."""
+    s = setup
+    d = s["drafter"]
+    target = s["target"]
+    embed = target.model.embed_tokens.weight.to(torch.bfloat16)
+    head = embed if s["tied"] else target.lm_head.weight.to(torch.bfloat16)
+    bf16 = DFlashDrafter(d.config, embed, head, num_anchors=d.num_anchors, attention_backend="sdpa")
+    assert bf16.tied == s["tied"]
+    bf16.load_state_dict(d.state_dict())
+    args = (s["ids"], s["loss_mask"], s["context"].to(torch.bfloat16), s["lengths"])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = bf16.training_loss(*args, torch.Generator().manual_seed(3))
+    (out.loss_sum / out.weight_sum).backward()
+    assert all(p.grad is not None and p.dtype == torch.float32 for p in bf16.parameters())
+    ref = d.training_loss(s["ids"], s["loss_mask"], s["context"], s["lengths"], torch.Generator().manual_seed(3))
+    assert torch.equal(out.slot_count, ref.slot_count)
+    assert math.isclose(out.loss.item(), ref.loss.item(), rel_tol=0.03)
+    d.zero_grad()

@@ -19,6 +19,8 @@ from dflash_ray.model.target import (
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, max_position_embeddings=256, tie_word_embeddings=True)
 VOCAB, MASK, BLOCK = 300, 299, 8
+# The reference passes `past_key_values`, which transformers 5 deprecates in favour of `cache`.
+pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
 
 
 @pytest.fixture(autouse=True, scope="module")

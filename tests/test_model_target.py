@@ -108,3 +108,11 @@ def test_default_mask_token_id():
     Tok.mask_token_id = 7
     assert default_mask_token_id(151936, Tok()) == 7
     assert default_mask_token_id(300) == 299
+
+
+def test_model_layer_imports_no_ray():
+    import subprocess
+    import sys
+
+    code = "import sys, dflash_ray.model; sys.exit(any(m == 'ray' or m.startswith('ray.') for m in sys.modules))"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0

@@ -128,9 +128,11 @@ class DFlashDrafter(nn.Module):
 
     def compile_layers(self, **kwargs):
         """torch.compile each decoder layer in place (state_dict names unchanged); for the GPU, where the
-        layers' matmuls, norms and flex attention fuse. Shapes are static per (S, num_anchors)."""
+        layers' norms, RoPE and flex attention fuse. Sequence length and anchor count vary between batches,
+        so torch's automatic dynamic shapes are left on. A new BlockMask per step does not recompile
+        (checked on the CPU, forward only; the GPU path has not been run here)."""
         for layer in self.layers:
-            layer.compile(**{"dynamic": False, **kwargs})
+            layer.compile(**kwargs)
         return self
 
     def trainable_parameters(self):

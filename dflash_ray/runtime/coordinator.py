@@ -73,6 +73,7 @@ class RunCoordinator:
         self.step_times: list[tuple[float, int]] = []
         self.checkpoints: list[dict] = []
         self.started = time.time()
+        self.timeline: dict[str, float] = {}   # first time each milestone happened (seconds since start)
         self.tb = None
         if tensorboard:
             try:
@@ -91,7 +92,11 @@ class RunCoordinator:
             self.feed = {"gen": self.gen, "total_steps": int(total_steps), "cursor": dict(cursor),
                          "world": int(world)}
             self.cond.notify_all()
+            self._mark(f"feed_{self.gen}")
             return self.gen
+
+    def _mark(self, what: str) -> None:
+        self.timeline.setdefault(what, round(time.time() - self.started, 3))
 
     def feed_info(self) -> dict:
         return dict(self.feed)
@@ -101,6 +106,7 @@ class RunCoordinator:
             await self.cond.wait_for(lambda: gen != self.gen or index < self.consumed + self.window)
             if gen != self.gen:
                 return False  # a stream that has been replaced: let it drain
+            self._mark(f"first_admit_{gen}")
             self.admitted = max(self.admitted, index)
             in_flight = self.admitted + 1 - self.consumed
             self.max_in_flight = max(self.max_in_flight, in_flight)
@@ -116,6 +122,7 @@ class RunCoordinator:
 
     # ------------------------------------------------------------ target actors
     def target_started(self, key: str, pid: int, node: str) -> None:
+        self._mark("target_started")
         t = self.targets.get(key)
         if t is None:
             self.targets[key] = {"pid": pid, "node": node, "batches": 0, "busy_s": 0.0, "restarts": 0,
@@ -129,6 +136,7 @@ class RunCoordinator:
     def target_batch(self, key: str, busy_s: float, tokens: int) -> None:
         t = self.targets.setdefault(key, {"pid": None, "node": None, "batches": 0, "busy_s": 0.0,
                                           "restarts": 0, "started": time.time(), "last": time.time()})
+        self._mark("first_target_batch")
         t["batches"] += 1
         t["busy_s"] += busy_s
         t["last"] = time.time()
@@ -143,6 +151,7 @@ class RunCoordinator:
 
     # ------------------------------------------------------------ trainers
     def worker_started(self, rank: int, pid: int, node: str) -> None:
+        self._mark(f"worker{rank}_started")
         self.workers[int(rank)] = {"pid": pid, "node": node, "time": time.time()}
 
     def worker_pids(self) -> dict:
@@ -163,6 +172,7 @@ class RunCoordinator:
     def commit_step(self, record: dict, metrics: dict) -> None:
         """One optimizer step: a ledger line and a metrics line (written before returning)."""
         now = time.time()
+        self._mark(f"step{record['step']}")
         self.step_times.append((now, int(metrics["tokens"])))
         self.step_times = self.step_times[-20:]
         if len(self.step_times) >= 2:
@@ -227,7 +237,8 @@ class RunCoordinator:
         return {"trainer_restarts": self.trainer_restarts, "target_restarts": self.target_restarts,
                 "failures_survived": self.failures_survived(), "rolled_back_steps": self.rolled_back_steps,
                 "attempts": self.attempts, "max_batches_in_flight": self.max_in_flight, "window": self.window,
-                "targets": targets, "checkpoints": self.checkpoints, "last": self.last}
+                "targets": targets, "checkpoints": self.checkpoints, "last": self.last,
+                "timeline": self.timeline}
 
     def close(self) -> None:
         if self.tb is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import threading
 import time
 from pathlib import Path
@@ -32,6 +33,32 @@ def connect(cfg, log=print) -> bool:
              runtime_env=runtime_env, log_to_driver=False)
     log(f"started a local Ray ({c.num_cpus} CPUs, resources {resources or 'GPUs'})")
     return True
+
+
+def main_job(cfg, *, progress: bool = True, log=print, plan_log=print):
+    """The whole main job: resolve, plan, connect, train (or resume), export, summary.json.
+    Returns (spec, summary)."""
+    from dflash_ray.data.plan import plan_from_config
+    from dflash_ray.data.report import format_plan
+    from dflash_ray.runtime.spec import resolve_spec
+
+    spec = resolve_spec(cfg, log=log)
+    plan_summary = plan_from_config(cfg, epoch=0).summary()
+    plan_log(format_plan(plan_summary))
+    started = connect(cfg, log=log)
+    try:
+        summary = run_training(spec, plan_summary, progress=progress, log=log)
+        if summary["checkpoint"]:
+            export_checkpoint(spec, summary["checkpoint"], summary["export"])
+        else:
+            summary["export"] = None
+        write_json_atomic(Path(spec.run_dir) / "summary.json", summary)
+    finally:
+        if started:
+            import ray
+
+            ray.shutdown()
+    return spec, summary
 
 
 def check_resources(spec) -> None:
@@ -72,6 +99,7 @@ class Progress:
         self.coord, self.enabled = coord, enabled
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
+        self.t0, self.s0 = None, 0
 
     def __enter__(self):
         if self.enabled:
@@ -85,33 +113,50 @@ class Progress:
 
     def _run(self):
         import ray
-        from tqdm import tqdm
 
-        bar = None
+        bar, last_line, last_step = None, 0.0, -1
+        tty = sys.stderr.isatty()
         while not self.stop.is_set():
             try:
                 p = ray.get(self.coord.progress.remote(), timeout=10)
             except Exception:
                 break
             if p["total_steps"]:
-                if bar is None:
-                    bar = tqdm(total=p["total_steps"], desc="train", unit="step", dynamic_ncols=True,
-                               mininterval=0.5)
-                bar.total = p["total_steps"]
-                bar.n = p["step"]
-                loss = p["loss"]
-                bar.set_postfix_str(f"tok/s={p['tokens_per_second']:.0f} loss={loss if loss is None else round(loss, 4)} "
-                                    f"failures={p['failures_survived']}", refresh=False)
-                bar.refresh()
+                if tty:
+                    bar = self._tqdm(bar, p)
+                elif p["step"] != last_step and (time.time() - last_line > 5 or p["step"] == p["total_steps"]):
+                    print(self.line(p), file=sys.stderr, flush=True)
+                    last_line, last_step = time.time(), p["step"]
             self.stop.wait(1.0)
         if bar is not None:
             try:
-                p = ray.get(self.coord.progress.remote(), timeout=10)
-                bar.n = p["step"]
-                bar.refresh()
+                bar = self._tqdm(bar, ray.get(self.coord.progress.remote(), timeout=10))
             except Exception:
                 pass
             bar.close()
+
+    def line(self, p) -> str:
+        """One progress line (for logs, where a redrawn bar would be noise)."""
+        if self.t0 is None or p["step"] < self.s0:
+            self.t0, self.s0 = time.time(), p["step"]
+        done = p["step"] - self.s0
+        rate = done / max(time.time() - self.t0, 1e-9)
+        eta = (p["total_steps"] - p["step"]) / rate if rate > 0 else float("nan")
+        loss = "-" if p["loss"] is None else f"{p['loss']:.4f}"
+        return (f"step {p['step']}/{p['total_steps']}  tokens/s {p['tokens_per_second']:.0f}  loss {loss}  "
+                f"ETA {eta:.0f}s  failures survived {p['failures_survived']}")
+
+    def _tqdm(self, bar, p):
+        from tqdm import tqdm
+
+        if bar is None:
+            bar = tqdm(total=p["total_steps"], desc="train", unit="step", dynamic_ncols=True)
+        bar.total, bar.n = p["total_steps"], p["step"]
+        loss = "-" if p["loss"] is None else f"{p['loss']:.4f}"
+        bar.set_postfix_str(f"tok/s={p['tokens_per_second']:.0f} loss={loss} failures={p['failures_survived']}",
+                            refresh=False)
+        bar.refresh()
+        return bar
 
 
 def run_training(spec, plan_summary: dict, *, progress: bool = True, log=print) -> dict:
@@ -195,6 +240,7 @@ def build_summary(spec, plan_summary, report, checkpoint_path, metrics, wall) ->
         "target_restarts": report["target_restarts"], "rolled_back_steps": report["rolled_back_steps"],
         "max_batches_in_flight": report["max_batches_in_flight"], "flight_window": report["window"],
         "target_actors": report["targets"], "checkpoints": report["checkpoints"],
+        "timeline_seconds": report.get("timeline", {}),
         "checkpoint": checkpoint_path, "ledger": check, "export": str(Path(spec.run_dir) / "export"),
     }
 

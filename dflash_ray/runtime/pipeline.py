@@ -203,7 +203,7 @@ class DatasetFactory:
         if feed.num_rows == 0:
             return ds.limit(0)
         ds = ds.map_batches(
-            join_tokens, batch_size=1, num_cpus=0.1 if not s.use_gpu else 1,
+            join_tokens, batch_size=1, num_cpus=0.25, concurrency=2,
             fn_kwargs=dict(feed=_Ref(feed_ref), tokens=self.tokens, coordinator=s.coordinator,
                            namespace=s.namespace, gen=gen, pad_id=s.pad_token_id,
                            block_size=int(s.model_cfg["block_size"])))

@@ -168,8 +168,13 @@ def resolve_spec(cfg, log=print) -> RunSpec:
         grad_clip=float(t.grad_clip), grad_accum=int(t.grad_accum), checkpoint_every=int(t.checkpoint_every),
         num_to_keep=int(t.num_to_keep), max_failures=int(t.max_failures), log_every=int(t.log_every),
         tensorboard=bool(t.tensorboard),
-        coordinator=f"dflash-coordinator-{cfg.run.name}-{os.getpid()}",
+        coordinator=coordinator_name(str(cfg.run.name)),
     )
+
+
+def coordinator_name(run_name: str) -> str:
+    """The RunCoordinator actor's name (one per run and driver process)."""
+    return f"dflash-coordinator-{run_name}-{os.getpid()}"
 
 
 def _abs_shards(pc: dict) -> dict:
