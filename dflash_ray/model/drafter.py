@@ -22,7 +22,7 @@ from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 from .attention import training_mask
 from .layers import DrafterLayer, RMSNorm
 from .loss import LossOutput, chunked_head_ce, default_gamma, slot_weights
-from .target import default_target_layer_ids
+from .target import default_mask_token_id, default_target_layer_ids
 
 # Qwen3 fields the drafter copies from its target (the drafter has the target's width, not its depth).
 _TARGET_FIELDS = (
@@ -260,10 +260,16 @@ class DFlashDrafter(nn.Module):
         return self.norm(x)
 
 
-def build_drafter(model_cfg, target_hf_config, embed_weight, head_weight, mask_token_id: int,
+def build_drafter(model_cfg, target_hf_config, embed_weight, head_weight, mask_token_id: int | None,
                   seed: int | None = None, attention_backend: str = "auto") -> DFlashDrafter:
     """A fresh drafter for a target. model_cfg keys: num_draft_layers, target_layer_ids (None = reference
-    formula), block_size, num_anchors, loss_gamma (None = recipe default for the block size)."""
+    formula), block_size, num_anchors, loss_gamma (None = recipe default for the block size).
+    mask_token_id None: model_cfg.mask_token_id, else the last embedding row (see default_mask_token_id
+    to prefer the tokenizer's). seed: initialise under this seed without touching the global RNG."""
+    if mask_token_id is None:
+        mask_token_id = _get(model_cfg, "mask_token_id", None)
+    if mask_token_id is None:
+        mask_token_id = default_mask_token_id(embed_weight.shape[0])
     config = drafter_config(
         target_hf_config,
         num_draft_layers=int(_get(model_cfg, "num_draft_layers", 5)),

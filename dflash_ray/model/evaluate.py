@@ -156,7 +156,10 @@ def evaluate_acceptance(drafter_dir: str, target_dir: str, prompts: list[list[in
     head = target.get_output_embeddings().weight
     drafter = load_drafter(drafter_dir, target.get_input_embeddings().weight, head).to(device)
     if dtype is not None or device.type == "cuda":
-        drafter.to(target.dtype)
+        # Cast the weights only: .to(dtype) would also round RoPE's inv_freq buffer to bf16, which the
+        # reference (loaded with a dtype) keeps in fp32.
+        for p in drafter.parameters():
+            p.data = p.data.to(target.dtype)
     drafter.eval()
     bs = drafter.block_size if block_size is None else block_size
 
