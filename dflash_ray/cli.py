@@ -58,6 +58,12 @@ def run_command(cmd: str, argv: list[str]) -> int:
             raise
         print(f"dflash-ray {cmd}: error: {e}", file=sys.stderr)
         return 2
+    except OSError as e:  # an unwritable or missing output path, a full disk
+        if args.debug:
+            raise
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"dflash-ray {cmd}: error: {where}{e.strerror or e}", file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         print(f"dflash-ray {cmd}: interrupted", file=sys.stderr)
         return 130
@@ -83,13 +89,13 @@ def _dispatch(cmd: str, args) -> int:
     if cmd == "plan":
         from dflash_ray.data.report import plan_command
 
-        return plan_command(cfg, args)
+        return plan_command(cfg, args, extras=_capacity_report())
     if cmd == "train":
         from dflash_ray.train import train_command
 
         return train_command(cfg, args)
     if cmd == "eval":
-        from dflash_ray.evaluate import eval_command
+        from dflash_ray.eval import eval_command
 
         return eval_command(cfg, args)
     if cmd == "export":
@@ -101,6 +107,15 @@ def _dispatch(cmd: str, args) -> int:
 
         return plot_command(cfg, args)
     raise AssertionError(cmd)
+
+
+def _capacity_report():
+    """The runtime's capacity model (GPU split) for the plan report; the data layer knows no runtime."""
+    try:
+        from dflash_ray.runtime.capacity import capacity_report
+    except ImportError:
+        return None
+    return capacity_report
 
 
 def _prepare(cfg, args) -> int:

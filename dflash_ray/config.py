@@ -70,6 +70,8 @@ class ClusterConfig:
     drafter_workers: int = 2
     target_resource: str = "target_slot"
     max_batches_in_flight: int = 4
+    target_tokens_per_gpu: Optional[float] = None   # measured rates for the capacity model (plan)
+    drafter_tokens_per_gpu: Optional[float] = None
 
 
 @dataclass
@@ -123,6 +125,11 @@ class RootConfig:
 
 CHOICES = {"data.overlong": ("truncate", "drop"),
            "data.interleave": ("default", "stride", "sequential", "random", "diversity")}
+MINIMUM = {"model.block_size": 2, "model.num_draft_layers": 1, "model.num_anchors": 1,
+           "data.shard_size": 1, "data.max_tokens_per_batch": 1, "data.chunk_batches": 1,
+           "cluster.target_workers": 1, "cluster.drafter_workers": 1, "cluster.max_batches_in_flight": 1,
+           "train.epochs": 1, "train.grad_accum": 1, "train.checkpoint_every": 1, "train.num_to_keep": 1,
+           "train.max_failures": 0, "train.lr": 0.0, "train.warmup_ratio": 0.0, "eval.max_new_tokens": 1}
 
 
 # ----------------------------------------------------------------------------- composition
@@ -172,6 +179,10 @@ def compose_config(overrides: List[str] | None = None) -> DictConfig:
     OmegaConf.set_struct(schema, False)  # keys added on purpose with `+key=...` are kept
     try:
         merged = OmegaConf.merge(schema, cfg)
+        # a merge lets the schema's default win over `???`: mark required values missing again
+        for key in OmegaConf.missing_keys(cfg):
+            OmegaConf.update(merged, key, "???", force_add=True)
+        OmegaConf.to_container(merged, resolve=True, throw_on_missing=False)  # errors name the key
         OmegaConf.resolve(merged)
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None) or "?"
@@ -181,6 +192,10 @@ def compose_config(overrides: List[str] | None = None) -> DictConfig:
         value = OmegaConf.select(merged, key)
         if value not in allowed:
             raise UserError(f"config key '{key}': '{value}' is not one of {', '.join(allowed)}")
+    for key, least in MINIMUM.items():
+        value = OmegaConf.select(merged, key, default=None)
+        if isinstance(value, (int, float)) and value < least:
+            raise UserError(f"config key '{key}': must be >= {least}, got {value}")
     return merged  # `???` values stay missing; `require()` names them where they are needed
 
 

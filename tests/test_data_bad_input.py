@@ -95,3 +95,37 @@ def test_console_script_exit_code_and_debug_traceback(tmp_path):
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
     r = subprocess.run(exe + ["--debug"], capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "Traceback" in r.stderr
+
+
+@pytest.mark.parametrize("column,values,expect", [
+    ("sample_id", pa.array([900, None], pa.int64()), "row 1: null sample_id"),
+    ("num_tokens", pa.array([None, 80], pa.int32()), "row 0: null num_tokens"),
+])
+def test_null_values_are_named(column, values, expect, tmp_path, capsys):
+    _good(tmp_path)
+    write_shard(tmp_path / "s" / "bad.parquet", [900, 901], [80, 80], **{column: values})
+    rc, err = _plan(tmp_path / "s", capsys)
+    assert rc == 2 and len(err) == 1 and "bad.parquet: " + expect in err[0], err
+
+
+def test_plan_checks_the_whole_schema_without_reading_tokens(tmp_path, capsys):
+    _good(tmp_path)
+    path = write_shard(tmp_path / "s" / "bad.parquet", [900], [80])
+    _drop(path, "loss_mask")
+    rc, err = _plan(tmp_path / "s", capsys)
+    assert rc == 2 and "bad.parquet: missing column 'loss_mask'" in err[0]
+
+
+def test_nothing_left_to_plan_is_one_clear_line(tmp_path, capsys):
+    write_shard(tmp_path / "s" / "a.parquet", [1, 2], [5, 6])
+    rc, err = _plan(tmp_path / "s", capsys)
+    assert rc == 2 and len(err) == 1 and "no samples left to plan: 2 in, 2 shorter than 16 tokens" in err[0], err
+
+
+def test_unwritable_output_paths_exit_2(tmp_path, capsys):
+    _good(tmp_path)
+    (tmp_path / "file").write_text("x")
+    rc, err = _plan(tmp_path / "s", capsys, "--dump", str(tmp_path / "file" / "plan.parquet"))
+    assert rc == 2 and len(err) == 1 and f"{tmp_path / 'file'}: " in err[0], err
+    rc = run_command("order-stats", ["--counts", "3,,4"])
+    assert rc == 2 and "--counts" in capsys.readouterr().err

@@ -36,7 +36,7 @@ def test_loss_mask_covers_exactly_the_assistant_turns(tok_dir, tmp_path):
     assert tok.decode(ids) == tok.apply_chat_template(conv, tokenize=False)
     # masked tokens decode to the two answers, each with its end-of-turn token; nothing else
     runs = np.split(np.flatnonzero(mask), np.flatnonzero(np.diff(np.flatnonzero(mask)) > 1) + 1)
-    assert [tok.decode(ids[r]).strip() for r in runs] == ["3 4 5 6<|im_end|>", "red blue red blue<|im_end|>"]
+    assert [tok.decode(ids[r]) for r in runs] == ["3 4 5 6<|im_end|>", "red blue red blue<|im_end|>"]
     assert t.column("sample_id").to_pylist() == [0, 1]
 
 
@@ -52,7 +52,7 @@ def test_spans_fall_back_to_the_content_when_the_template_rewrites_history(tok_d
     text, spans = assistant_spans(tok, conv)
     # the first answer is not in the rendering at all; the last one keeps its end-of-turn token
     assert "first" not in text
-    assert [text[s:e] for s, e in spans] == ["second<|im_end|>\n"]
+    assert [text[s:e] for s, e in spans] == ["second<|im_end|>"]
 
 
 def test_prepare_cli_summary_counts_drops(tok_dir, tmp_path, capsys):
@@ -81,3 +81,41 @@ def test_malformed_line_exits_2_naming_file_and_line_and_writes_nothing(tok_dir,
     src2 = write_jsonl(tmp_path / "d.jsonl", [{"id": 1, "conversations": [{"role": "robot", "content": "x"}]}])
     rc = run_command("prepare", [f"data.input={src2}", f"data.tokenizer={tokdir}", f"data.output={tmp_path}/o"])
     assert rc == 2 and "d.jsonl: line 1:" in capsys.readouterr().err
+
+
+def test_prepare_refuses_foreign_output_dirs_and_bad_encodings_and_templates(tok_dir, tmp_path, capsys):
+    _, tokdir = tok_dir
+    good = {"id": 1, "conversations": [{"role": "user", "content": "x"}, {"role": "assistant", "content": "1 2 3 4 5 6"}]}
+    src = write_jsonl(tmp_path / "c.jsonl", [good])
+    (tmp_path / "o").mkdir()
+    (tmp_path / "o" / "notes.txt").write_text("mine")
+    args = [f"data.tokenizer={tokdir}", "model.block_size=2"]
+    rc = run_command("prepare", [f"data.input={src}", f"data.output={tmp_path}/o"] + args)
+    assert rc == 2 and "holds files prepare did not write (notes.txt)" in capsys.readouterr().err
+    assert (tmp_path / "o" / "notes.txt").read_text() == "mine"
+    rc = run_command("prepare", [f"data.input={src}", f"data.output={tmp_path}"] + args)
+    assert rc == 2 and "holds the input" in capsys.readouterr().err and src.exists()
+    # a second prepare into its own output replaces it
+    assert run_command("prepare", [f"data.input={src}", f"data.output={tmp_path}/p"] + args) == 0
+    assert run_command("prepare", [f"data.input={src}", f"data.output={tmp_path}/p"] + args) == 0
+    capsys.readouterr()
+    bad = tmp_path / "latin1.jsonl"
+    bad.write_bytes(json.dumps(good).encode() + b"\n" + b'{"id": 2, "conversations": [{"role": "user", "content": "caf\xe9"}]}\n')
+    rc = run_command("prepare", [f"data.input={bad}", f"data.output={tmp_path}/q"] + args)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "latin1.jsonl: line 2: not UTF-8" in err[0]
+    two_users = {"id": 3, "conversations": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
+    strict = tmp_path / "tok_strict"
+    import shutil
+
+    shutil.copytree(tokdir, strict)
+    cfg_path = strict / "tokenizer_config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["chat_template"] = "{% for m in messages %}{% if m['role'] == 'user' %}{{ raise_exception('no users here') }}{% endif %}{% endfor %}"
+    cfg_path.write_text(json.dumps(cfg))
+    for extra in strict.glob("chat_template.*"):
+        extra.write_text(cfg["chat_template"]) if extra.suffix == ".jinja" else extra.unlink()
+    src2 = write_jsonl(tmp_path / "d.jsonl", [two_users])
+    rc = run_command("prepare", [f"data.input={src2}", f"data.output={tmp_path}/r", f"data.tokenizer={strict}", "model.block_size=2"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and "d.jsonl: line 1: chat template failed (no users here)" in err[0], err

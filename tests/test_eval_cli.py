@@ -1,5 +1,6 @@
 """`dflash-ray eval`: the CLI glue around dflash_ray.model.evaluate (prompt files, tokenizer, output)."""
 import json
+from pathlib import Path
 
 import pytest
 from helpers_data import make_tokenizer, write_jsonl
@@ -55,3 +56,29 @@ def test_eval_bad_inputs_exit_2_with_one_line(pair, tmp_path, capsys):
     assert rc == 2 and "no config.json" in capsys.readouterr().err
     rc = run_command("eval", [f"target={target_dir}", f"data.prompts={bad}"])
     assert rc == 2 and "config key 'drafter' must be set" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("row,expect", [
+    ({"input_ids": []}, "prompt 1: needs 1+ token ids"),
+    ({"input_ids": [1, 10**6]}, "prompt 1: needs 1+ token ids"),
+    ({"input_ids": ["a"]}, "line 1: input_ids must be a list of integers"),
+    ({"text": "hi"}, "line 1: expected 'conversations', 'prompt' or 'input_ids'"),
+])
+def test_eval_rejects_bad_prompts(pair, tmp_path, capsys, row, expect):
+    root, tokdir, target_dir, drafter_dir = pair
+    bad = write_jsonl(tmp_path / "p.jsonl", [row])
+    rc = run_command("eval", [f"drafter={drafter_dir}", f"target={target_dir}", f"data.prompts={bad}"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and expect in err[0], err
+
+
+def test_eval_rejects_a_drafter_of_another_target(pair, tmp_path, capsys):
+    root, tokdir, target_dir, drafter_dir = pair
+    other = tmp_path / "drafter"
+    other.mkdir()
+    cfg = json.loads((Path(drafter_dir) / "config.json").read_text())
+    cfg["hidden_size"] = 64
+    (other / "config.json").write_text(json.dumps(cfg))
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"input_ids": [1, 2]}])
+    rc = run_command("eval", [f"drafter={other}", f"target={target_dir}", f"data.prompts={prompts}"])
+    assert rc == 2 and "drafter hidden_size 64 does not fit target" in capsys.readouterr().err

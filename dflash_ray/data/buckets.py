@@ -71,6 +71,10 @@ def form_batches(length: np.ndarray, bucket: np.ndarray, boundaries, max_tokens:
     b = (bucket if keep is None else bucket[keep]).astype(np.int64)
     ln = length if keep is None else length[keep]
     n = b.size
+    if n == 0:
+        empty = np.zeros(0, dtype=np.int64)
+        return Batches(bucket=empty.astype(np.int32), offsets=np.zeros(1, dtype=np.int64), members=empty,
+                       lengths=empty, max_len=empty, shuffled=empty)
     # chunk count per bucket: about chunk_batches batches of a typical length
     lower = np.concatenate([[0], bounds[:-1]])
     typical = np.maximum(1, max_tokens // np.maximum(1, (lower + bounds) // 2))
@@ -108,5 +112,5 @@ def form_batches(length: np.ndarray, bucket: np.ndarray, boundaries, max_tokens:
         members=order if keep is None else keep[order],
         lengths=sorted_len,
         max_len=sorted_len[start],
-        shuffled=np.argsort(batch_bucket + rng.random(start.size)),
+        shuffled=np.lexsort((rng.random(start.size), batch_bucket)),
     )

@@ -132,9 +132,13 @@ def build_plan(sample_ids, num_tokens, spec: PlanSpec, *, seed: int = 0, epoch: 
         o = np.argsort(sample_ids, kind="stable")
         sample_ids, num_tokens = sample_ids[o], num_tokens[o]
     bk = assign_buckets(num_tokens, spec.boundaries, overlong=spec.overlong, min_tokens=spec.min_tokens)
-    rng = np.random.default_rng([int(seed), int(epoch), 1])
+    rng = np.random.default_rng([int(seed), int(epoch), 1000])  # its own stream: interleave salts are 0..4
     batches = form_batches(bk.length, bk.bucket, spec.boundaries, spec.max_tokens_per_batch,
                            spec.chunk_batches, rng)
+    if batches.bucket.size == 0:
+        raise UserError(f"no samples left to plan: {sample_ids.size} in, {bk.dropped_short} shorter than "
+                        f"{spec.min_tokens} tokens (2 x block_size), {bk.dropped_overlong} over the last "
+                        f"bucket boundary {spec.boundaries[-1]} (data.overlong=drop)")
     counts_per_bucket = np.bincount(batches.bucket, minlength=len(spec.boundaries))
     order = interleave_order(counts_per_bucket, strategy=spec.strategy, seed=seed, epoch=epoch)
     # position k takes the next unused batch of bucket order[k]; `shuffled` is grouped by bucket, so a

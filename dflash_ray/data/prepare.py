@@ -79,7 +79,10 @@ def assistant_spans(tok, conv: list[dict]) -> tuple[str, list[tuple[int, int]]]:
         before = tok.apply_chat_template(conv[:i], tokenize=False, add_generation_prompt=True) if i else None
         upto = tok.apply_chat_template(conv[:i + 1], tokenize=False)
         if before is not None and full.startswith(upto) and upto.startswith(before):
-            spans.append((len(before), len(upto)))
+            end = len(upto)
+            while end > len(before) and upto[end - 1].isspace():  # the turn ends at its end-of-turn token
+                end -= 1
+            spans.append((len(before), end))
             cursor = len(upto)
         else:
             at = full.find(m["content"], cursor)
@@ -99,6 +102,20 @@ def tokenize_with_mask(tok, text: str, spans: list[tuple[int, int]]) -> tuple[np
     return ids, mask
 
 
+def _check_output_dir(out: Path, src: Path) -> None:
+    """prepare replaces its output directory whole: refuse one that holds anything it did not write."""
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise UserError(f"{out}: output exists and is not a directory")
+    if src.resolve().is_relative_to(out.resolve()):
+        raise UserError(f"{out}: output directory holds the input {src}; choose another data.output")
+    foreign = sorted(p.name for p in out.iterdir() if not (p.name.startswith("part-") and p.suffix == ".parquet"))
+    if foreign:
+        raise UserError(f"{out}: output directory holds files prepare did not write ({foreign[0]}); "
+                        "choose an empty or new data.output")
+
+
 def prepare(input_path: str, tokenizer_path: str, output: str, *, shard_size: int = 10000,
             min_supervised: int = 0, vocab_size: int | None = None, progress: bool = True) -> PrepareSummary:
     from tqdm import tqdm
@@ -106,6 +123,7 @@ def prepare(input_path: str, tokenizer_path: str, output: str, *, shard_size: in
     src = Path(input_path)
     if not src.is_file():
         raise UserError(f"{src}: input file does not exist")
+    _check_output_dir(Path(output), src)
     tok = load_tokenizer(tokenizer_path)
     if shard_size < 1:
         raise UserError("config key 'data.shard_size': must be >= 1")
@@ -126,9 +144,13 @@ def prepare(input_path: str, tokenizer_path: str, output: str, *, shard_size: in
         for v in rows.values():
             v.clear()
 
-    with atomic_dir(output) as dest, open(src) as f:
-        for lineno, line in enumerate(tqdm(f, desc="prepare", unit=" conv", disable=None if progress else True,  # None: only on a terminal
-                                          file=sys.stderr), start=1):
+    with atomic_dir(output) as dest, open(src, "rb") as f:
+        for lineno, raw in enumerate(tqdm(f, desc="prepare", unit=" conv", disable=None if progress else True,
+                                          file=sys.stderr), start=1):  # disable=None: bar only on a terminal
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise UserError(f"{src}: line {lineno}: not UTF-8 ({e.reason} at byte {e.start})") from e
             if not line.strip():
                 summary.dropped["empty_line"] += 1
                 continue
@@ -136,7 +158,10 @@ def prepare(input_path: str, tokenizer_path: str, output: str, *, shard_size: in
             if not any(m["role"] == "assistant" for m in conv):
                 summary.dropped["no_assistant_turn"] += 1
                 continue
-            text, spans = assistant_spans(tok, conv)
+            try:
+                text, spans = assistant_spans(tok, conv)
+            except Exception as e:  # the template's own errors (jinja2), e.g. "roles must alternate"
+                raise UserError(f"{src}: line {lineno}: chat template failed ({str(e).splitlines()[0]})") from e
             ids, mask = tokenize_with_mask(tok, text, spans)
             if vocab_size is not None and ids.size and ids.max() >= vocab_size:
                 raise UserError(f"{src}: line {lineno}: token id {int(ids.max())} >= vocab size {vocab_size}")

@@ -41,7 +41,8 @@ def format_plan(s: dict) -> str:
     return "\n".join(lines)
 
 
-def plan_command(cfg, args) -> int:
+def plan_command(cfg, args, extras=None) -> int:
+    """`extras(cfg, summary) -> {"text": [...], ...}` lets a higher layer add to the report."""
     from dflash_ray.config import require
     from dflash_ray.data.plan import plan_from_config
     from dflash_ray.data.shards import check_shards, write_table_atomic
@@ -50,11 +51,11 @@ def plan_command(cfg, args) -> int:
         check_shards(require(cfg, "data.shards"), cfg.data.vocab_size)
     plan = plan_from_config(cfg)
     summary = plan.summary()
-    extra = plan_extras(cfg, summary)
+    extra = extras(cfg, summary) if extras else {}
     if args.dump:
         write_table_atomic(plan.to_arrow().drop_columns(["num_tokens"]), args.dump)
     if args.json:
-        print(json.dumps({**summary, **extra}, indent=2))
+        print(json.dumps({**summary, **{k: v for k, v in extra.items() if k != "text"}}, indent=2))
     else:
         print(format_plan(summary))
         for text in extra.get("text", []):
@@ -64,18 +65,9 @@ def plan_command(cfg, args) -> int:
     return 0
 
 
-def plan_extras(cfg, summary: dict) -> dict:
-    """Hook for later layers (e.g. the cluster capacity model) to add to the plan report."""
-    try:
-        from dflash_ray.runtime.capacity import capacity_report
-    except ImportError:
-        return {}
-    return capacity_report(cfg, summary)
-
-
 def _parse_counts(text: str) -> list[int]:
     try:
-        counts = [int(x) for x in text.split(",") if x.strip()]
+        counts = [int(x) for x in text.split(",")]
     except ValueError as e:
         raise UserError(f"--counts: expected comma-separated integers, got '{text}'") from e
     if not counts or min(counts) < 0:
@@ -91,6 +83,7 @@ def order_stats_command(args) -> int:
     orders = {n: interleave_order(counts, strategy=n, seed=args.seed, epoch=args.epoch) for n in names}
     measures = {n: order_measures(o, len(counts)) for n, o in orders.items()}
     if args.dump_order:
+        Path(args.dump_order).parent.mkdir(parents=True, exist_ok=True)
         np.save(args.dump_order, orders[args.strategy])
     if args.plot:
         plot_orders(orders, counts, args.plot)

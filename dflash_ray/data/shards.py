@@ -60,14 +60,21 @@ def _check_schema(path: Path, schema: pa.Schema, columns: Iterable[str]) -> None
 
 
 def _read(path: Path, columns: list[str]) -> pa.Table:
+    """Read `columns`; the whole schema is checked (metadata only), so a shard that would fail later in
+    training fails here."""
     pf = _open(path)
-    _check_schema(path, pf.schema_arrow, columns)
+    _check_schema(path, pf.schema_arrow, SCHEMA.names)
     if pf.metadata.num_rows == 0:
         raise UserError(f"{path}: empty shard (0 rows)")
     try:
-        return pf.read(columns=columns)
+        table = pf.read(columns=columns)
     except Exception as e:
         raise UserError(f"{path}: unreadable data ({str(e).splitlines()[0]})") from e
+    for name in columns:
+        col = table.column(name)
+        if col.null_count:
+            raise UserError(f"{path}: row {_first_row(col.is_null().to_numpy(zero_copy_only=False))}: null {name}")
+    return table
 
 
 def _first_row(mask) -> int:
@@ -133,22 +140,27 @@ def validate_tokens(path: Path, t: pa.Table, vocab_size: int | None) -> None:
         raise UserError(f"{path}: row {row_of[_first_row((fm != 0) & (fm != 1))]}: loss_mask values must be 0 or 1")
 
 
-def read_all(directory, vocab_size: int | None = None) -> pa.Table:
-    """Every column of every shard, fully validated, as one table (for the token store)."""
-    tables, files = [], []
+def iter_validated(directory, vocab_size: int | None = None):
+    """(path, table) of every shard, each fully validated; sample_ids unique over all shards (checked
+    when the last shard has been read)."""
+    ids, files = [], []
     for path in list_shards(directory):
         t = _read(path, list(SCHEMA.names))
         validate_tokens(path, t, vocab_size)
-        tables.append(t.select(SCHEMA.names).cast(SCHEMA))
+        ids.append(t.column("sample_id").to_numpy())
         files.append((path, t.num_rows))
-    table = pa.concat_tables(tables)
-    _check_unique(table.column("sample_id").to_numpy(), files)
-    return table
+        yield path, t.select(SCHEMA.names).cast(SCHEMA)
+    _check_unique(np.concatenate(ids), files)
+
+
+def read_all(directory, vocab_size: int | None = None) -> pa.Table:
+    """Every column of every shard, fully validated, as one table (for the token store)."""
+    return pa.concat_tables([t for _, t in iter_validated(directory, vocab_size)])
 
 
 def check_shards(directory, vocab_size: int | None = None) -> int:
-    """Validate every shard fully; returns the number of samples."""
-    return read_all(directory, vocab_size).num_rows
+    """Validate every shard fully, one shard in memory at a time; returns the number of samples."""
+    return sum(t.num_rows for _, t in iter_validated(directory, vocab_size))
 
 
 # ----------------------------------------------------------------------------- atomic writes
