@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Creates .venv (if needed) and installs dflash-ray with everything it needs.
 # CPU machines: torch is pinned to 2.13.0, which resolves to the CPU wheel here; an unpinned torch would
-# pull a multi-GB CUDA build. GPU clusters: set TORCH_SPEC (e.g. "torch==2.13.0" from the CUDA index, see
-# README) before running this, or install torch first.
+# pull a multi-GB CUDA build. GPU clusters: TORCH_INDEX_URL=<a CUDA wheel index> (and optionally
+# TORCH_SPEC=torch==X.Y.Z) pick the CUDA build; see README.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
@@ -11,10 +11,11 @@ if [ ! -x .venv/bin/python ]; then
 fi
 VPY=.venv/bin/python
 stamp=.venv/.dflash-ray-installed
-want=$(cat pyproject.toml scripts/bootstrap.sh | sha256sum | cut -c1-16)
+TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
+want=$( (cat pyproject.toml scripts/bootstrap.sh; echo "$TORCH_SPEC ${TORCH_INDEX_URL:-}") | sha256sum | cut -c1-16)
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   $VPY -m pip install -q --upgrade pip >/dev/null 2>&1 || true
-  $VPY -m pip install -q "${TORCH_SPEC:-torch==2.13.0}"
+  $VPY -m pip install -q "$TORCH_SPEC" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
   $VPY -m pip install -q -e ".[test]"
   # The reference DFlash implementation, used as the oracle in tests; --no-deps keeps its loose
   # requirements from replacing this project's torch or transformers.

@@ -32,15 +32,20 @@ def test_default_meets_the_seed_run_targets():
 
 
 def test_stride_reproduces_the_seed_run_and_default_beats_it_on_every_measure():
-    for seed in range(5):
+    n = sum(SEED_RUN)
+    one_batch_pp = 100 * 4 / n  # one batch more or less in a quarter
+    for seed in range(10):
         s = order_measures(interleave_order(SEED_RUN, strategy="stride", seed=seed), 6)
         d = order_measures(interleave_order(SEED_RUN, strategy="default", seed=seed), 6)
         assert s["quarter_max_dev_pp"] < 0.1 and 2 <= s["longest_run"] <= 5
-        assert d["quarter_max_dev_pp"] <= s["quarter_max_dev_pp"] + 0.01
-        assert d["prefix_discrepancy"] <= max(s["prefix_discrepancy"], 2)
-        assert d["longest_run"] <= s["longest_run"]
-        assert d["fraction_in_runs_of_1"] >= s["fraction_in_runs_of_1"]
-        assert d["earliest_bucket_end"] >= min(s["earliest_bucket_end"], 0.999)
+        assert d["longest_run"] < s["longest_run"]
+        assert d["fraction_in_runs_of_1"] > s["fraction_in_runs_of_1"]
+        assert d["prefix_discrepancy"] < s["prefix_discrepancy"]
+        # quarter shares and bucket ends: both sit at one-batch granularity; a lucky stride seed can
+        # land a batch closer, never by a whole batch
+        assert d["quarter_max_dev_pp"] < s["quarter_max_dev_pp"] + one_batch_pp
+        assert d["earliest_bucket_end"] > s["earliest_bucket_end"] - 1 / n
+        assert d["earliest_bucket_end"] >= (n - 8) / n  # 6 buckets end within the last few positions
 
 
 def test_default_reaches_the_least_possible_longest_run_on_random_counts():

@@ -101,7 +101,9 @@ def _default(counts, rng):
     if m > rest + 1:  # one bucket over half: runs are forced; spread it over the gaps between the others
         return _spread_top(counts, top, rng)
     ids, j = _labels(counts)
-    phase = 0.25 + 0.5 * rng.random(counts.size)  # per bucket: keeps each bucket evenly spaced
+    # one phase per bucket keeps each bucket evenly spaced; near 1 puts every bucket's last batch in the
+    # last few positions (buckets run out together) at the cost of < 1 batch of lateness at the start
+    phase = 0.8 + 0.2 * rng.random(counts.size)
     pos = (j + phase[ids]) * (n / counts[ids])
     order = _break_runs(ids[np.argsort(pos, kind="stable")])
     if rest and _longest_run(order) > 1:

@@ -7,7 +7,6 @@ Schema: sample_id int64 (unique over all shards), input_ids list<int32>, loss_ma
 from __future__ import annotations
 
 import os
-import shutil
 import uuid
 from pathlib import Path
 from typing import Iterable
@@ -17,6 +16,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from dflash_ray.atomic import atomic_dir  # noqa: F401  (re-exported for prepare)
 from dflash_ray.errors import UserError
 
 SCHEMA = pa.schema([
@@ -164,35 +164,6 @@ def check_shards(directory, vocab_size: int | None = None) -> int:
 
 
 # ----------------------------------------------------------------------------- atomic writes
-def atomic_dir(final: str | os.PathLike):
-    """A context manager yielding a temporary sibling directory that replaces `final` only on success."""
-    return _AtomicDir(Path(final))
-
-
-class _AtomicDir:
-    def __init__(self, final: Path):
-        self.final = final
-        self.tmp = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
-
-    def __enter__(self) -> Path:
-        self.final.parent.mkdir(parents=True, exist_ok=True)
-        self.tmp.mkdir()
-        return self.tmp
-
-    def __exit__(self, exc_type, exc, tb):
-        if exc_type is not None:
-            shutil.rmtree(self.tmp, ignore_errors=True)
-            return False
-        if self.final.exists():
-            old = self.final.parent / f".{self.final.name}.old-{uuid.uuid4().hex[:8]}"
-            os.replace(self.final, old)
-            os.replace(self.tmp, self.final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(self.tmp, self.final)
-        return False
-
-
 def write_table_atomic(table: pa.Table, path: str | os.PathLike) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -56,7 +56,10 @@ def flex_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int):
 def _compiled_flex():
     from torch.nn.attention.flex_attention import flex_attention
 
-    return torch.compile(flex_attention, dynamic=False)
+    # dynamic=None: token-budget batches change (context, anchors) shapes every step; after the first
+    # recompile dynamo switches to dynamic shapes instead of one kernel per shape up to the recompile
+    # limit (past which flex falls back to eager and materialises the scores). Not run on a GPU here.
+    return torch.compile(flex_attention, dynamic=None)
 
 
 def _common_dtype(q, k, v):

@@ -10,24 +10,30 @@ hidden_norm.weight, norm.weight, ...). The target's embedding and head are not e
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import torch
 
 from transformers import Qwen3Config
 
+from ..atomic import atomic_dir
 from .drafter import DFlashDrafter
 
 WEIGHTS_NAME = "model.safetensors"
 
 
 def export_drafter(drafter: DFlashDrafter, out_dir: str, dtype: torch.dtype | None = None) -> str:
-    """Write config.json + model.safetensors to out_dir; dtype None keeps the parameters' dtype."""
+    """Write config.json + model.safetensors to out_dir (replacing it whole); dtype None keeps the
+    parameters' dtype."""
+    drafter = getattr(drafter, "module", drafter)  # unwrap DDP
+    with atomic_dir(out_dir) as tmp:  # complete or absent; no stale files from an earlier export
+        _write_export(drafter, tmp, dtype)
+    return out_dir
+
+
+def _write_export(drafter: DFlashDrafter, out_dir, dtype) -> None:
     from safetensors.torch import save_file
 
-    drafter = getattr(drafter, "module", drafter)  # unwrap DDP
-    os.makedirs(out_dir, exist_ok=True)
     state = {
         name: (t.detach().to(dtype) if dtype is not None else t.detach()).cpu().contiguous()
         for name, t in drafter.state_dict().items()
@@ -47,7 +53,6 @@ def export_drafter(drafter: DFlashDrafter, out_dir: str, dtype: torch.dtype | No
     )
     with open(Path(out_dir) / "config.json", "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
-    return out_dir
 
 
 def load_drafter(out_dir: str, embed_weight: torch.Tensor, head_weight: torch.Tensor,
