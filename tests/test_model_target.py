@@ -12,6 +12,7 @@ from dflash_ray.model.target import (
     default_mask_token_id,
     default_target_layer_ids,
     load_embed_and_head,
+    load_feature_extractor,
     load_target,
 )
 
@@ -81,6 +82,17 @@ def test_extractor_skips_later_layers_and_the_head(target_dirs):
     assert calls == [0, 1, 2, 3]
     with pytest.raises(ValueError):
         TargetFeatureExtractor(target, [1, 6])
+
+
+@pytest.mark.parametrize("layer_ids", [[1, 3], [1, 5]])
+def test_feature_extractor_loads_only_the_layers_it_runs(target_dirs, layer_ids):
+    full = load_target(target_dirs["untied"])
+    pruned = load_feature_extractor(target_dirs["untied"], layer_ids)
+    ids = torch.randint(0, VOCAB, (2, 17), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(pruned(ids), TargetFeatureExtractor(full, layer_ids)(ids), rtol=0, atol=1e-6)
+    assert len(pruned.decoder.layers) == max(layer_ids) + 1  # later layers never loaded
+    assert isinstance(pruned.target.lm_head, torch.nn.Identity)  # the untied head is gone
+    assert sum(p.numel() for p in pruned.parameters()) < sum(p.numel() for p in full.parameters())
 
 
 @pytest.mark.parametrize("kind", ["tied", "untied"])

@@ -63,6 +63,38 @@ def load_target(path: str, device: str | torch.device = "cpu", dtype: torch.dtyp
     return model
 
 
+def load_feature_extractor(path: str, layer_ids: list[int], device: str | torch.device = "cpu",
+                           dtype: torch.dtype | None = None) -> "TargetFeatureExtractor":
+    """A TargetFeatureExtractor over only what feature capture needs: the embedding and layers
+    0..max(layer_ids) are loaded (later layers' weights are never read into memory) and the LM head is
+    dropped. For target actors; at Qwen3-8B's shape with the default taps this skips 2 of 36 layers and
+    the 0.6B-parameter head (~1.5 GB of bf16 weights)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    device = torch.device(device)
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    config = AutoConfig.from_pretrained(path)
+    text = getattr(config, "text_config", None) or config
+    total = int(text.num_hidden_layers)
+    keep = max(int(i) for i in layer_ids) + 1
+    if keep < total:
+        text.num_hidden_layers = keep
+        if getattr(text, "layer_types", None):
+            text.layer_types = list(text.layer_types)[:keep]
+    verbosity = hf_logging.get_verbosity()
+    hf_logging.set_verbosity_error()  # the skipped layers' weights are "unused" on purpose
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype, attn_implementation="sdpa")
+    finally:
+        hf_logging.set_verbosity(verbosity)
+    if getattr(model, "lm_head", None) is not None:
+        model.lm_head = nn.Identity()  # never run; frees an untied head's memory
+    model.to(device).eval().requires_grad_(False)
+    return TargetFeatureExtractor(model, layer_ids, num_target_layers=total)
+
+
 def _decoder(target_model) -> nn.Module:
     """The decoder stack (embed_tokens, layers, norm, rotary_emb) inside a *ForCausalLM."""
     inner = getattr(target_model, "model", target_model)
@@ -83,12 +115,15 @@ class TargetFeatureExtractor(nn.Module):
     final-normed state, so a tap on the last layer gets the final norm too.
     """
 
-    def __init__(self, target_model, layer_ids: list[int]):
+    def __init__(self, target_model, layer_ids: list[int], num_target_layers: int | None = None):
         super().__init__()
         self.target = target_model  # registered so .to() moves it; it stays frozen
         self.decoder = _decoder(target_model)
         self.config = self.decoder.config
         self.layer_ids = [int(i) for i in layer_ids]
+        # a target loaded by load_feature_extractor holds only layers 0..max(layer_ids): the full depth
+        # still decides whether a tap is on the last layer (which HF returns final-normed)
+        self.num_target_layers = int(num_target_layers or len(self.decoder.layers))
         n_layers = len(self.decoder.layers)
         if not self.layer_ids or min(self.layer_ids) < 0 or max(self.layer_ids) >= n_layers:
             raise ValueError(f"target_layer_ids {self.layer_ids} out of range for a {n_layers}-layer target")
@@ -123,7 +158,7 @@ class TargetFeatureExtractor(nn.Module):
             if isinstance(hidden, tuple):  # older transformers return (hidden, ...)
                 hidden = hidden[0]
             for j in slots.get(i, ()):
-                tapped = dec.norm(hidden) if i == len(dec.layers) - 1 else hidden
+                tapped = dec.norm(hidden) if i == self.num_target_layers - 1 else hidden
                 out[..., j * self.hidden_size:(j + 1) * self.hidden_size] = tapped
         return out
 
