@@ -83,14 +83,14 @@ class RunCoordinator:
             self.tb = SummaryWriter(str(self.dir / "tensorboard"))
 
     # ------------------------------------------------------------ flight window
-    async def reset_feed(self, total_steps: int, cursor: dict, world: int) -> int:
+    async def reset_feed(self, total_steps: int, cursor: dict, world: int, schedule_steps: int = 0) -> int:
         """A new Ray Data stream starts (first start or a restart): a new generation of row indices."""
         async with self.cond:
             self.gen += 1
             self.consumed, self.admitted = 0, -1
             self.total_steps = int(total_steps)
             self.feed = {"gen": self.gen, "total_steps": int(total_steps), "cursor": dict(cursor),
-                         "world": int(world)}
+                         "world": int(world), "schedule_steps": int(schedule_steps or total_steps)}
             self.cond.notify_all()
             self._mark(f"feed_{self.gen}")
             return self.gen
@@ -138,6 +138,7 @@ class RunCoordinator:
                                           "restarts": 0, "started": time.time(), "last": time.time()})
         self._mark("first_target_batch")
         t["batches"] += 1
+        t["tokens"] = t.get("tokens", 0) + int(tokens)
         t["busy_s"] += busy_s
         t["last"] = time.time()
         tags = {"run": self.run_name, "actor": key}
@@ -232,6 +233,7 @@ class RunCoordinator:
         for k, t in self.targets.items():
             life = max(now - t["started"], 1e-9)
             targets[k] = {"batches": t["batches"], "share": t["batches"] / total, "busy_s": round(t["busy_s"], 3),
+                          "tokens": t.get("tokens", 0),
                           "idle_fraction": max(0.0, 1 - t["busy_s"] / life), "restarts": t["restarts"],
                           "pid": t["pid"], "node": t["node"]}
         return {"trainer_restarts": self.trainer_restarts, "target_restarts": self.target_restarts,

@@ -22,10 +22,12 @@ def connect(cfg, log=print) -> bool:
     if ray.is_initialized():
         return False
     c = cfg.cluster
-    address = c.address or os.environ.get("RAY_ADDRESS")
-    runtime_env = {"env_vars": dict(STATE_TRACKING)}
+    address = c.address
+    if address in (None, "auto") and os.environ.get("RAY_ADDRESS"):
+        address = os.environ["RAY_ADDRESS"]  # inside `ray job submit`, or set by the user
     if address:
-        ray.init(address=address, runtime_env=runtime_env, log_to_driver=True)
+        in_job = "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ  # the job's runtime_env applies (jobs/)
+        ray.init(address=address, runtime_env=None if in_job else runtime_env, log_to_driver=True)
         log(f"connected to Ray at {address}")
         return False
     resources = {} if c.use_gpu else {str(c.target_resource): float(c.target_workers)}
@@ -177,7 +179,9 @@ def run_training(spec, plan_summary: dict, *, progress: bool = True, log=print) 
     experiment_dir = f"{spec.storage_path.rstrip('/')}/{spec.run_name}"
     from ray.data import DataContext
 
-    exec_opts = DataContext.get_current().execution_options
+    data_ctx = DataContext.get_current()
+    data_ctx.enable_progress_bars = False  # our own progress line says what matters; Ray Data's bars flood job logs
+    exec_opts = data_ctx.execution_options
     exec_opts.preserve_order = True  # with one-row blocks: round-robin over the train workers
     trainer = TorchTrainer(
         train_loop_per_worker,
@@ -196,18 +200,14 @@ def run_training(spec, plan_summary: dict, *, progress: bool = True, log=print) 
         with Progress(coord, enabled=progress):
             result = trainer.fit()
         report = ray.get(coord.report.remote())
+        ray.get(coord.close.remote())
     finally:
-        try:
-            ray.get(coord.close.remote(), timeout=10)
-        except Exception:
-            pass
+        ray.kill(coord)  # the name is free for a rerun of this run from this process
     wall = time.time() - t0
     if result.error is not None:
         raise result.error
-    summary = build_summary(spec, plan_summary, report, result.checkpoint.path if result.checkpoint else None,
-                            last_metrics(spec.run_dir), wall)
-    ray.kill(coord)
-    return summary
+    return build_summary(spec, plan_summary, report, result.checkpoint.path if result.checkpoint else None,
+                         last_metrics(spec.run_dir), wall)
 
 
 def build_summary(spec, plan_summary, report, checkpoint_path, metrics, wall) -> dict:
@@ -241,8 +241,26 @@ def build_summary(spec, plan_summary, report, checkpoint_path, metrics, wall) ->
         "max_batches_in_flight": report["max_batches_in_flight"], "flight_window": report["window"],
         "target_actors": report["targets"], "checkpoints": report["checkpoints"],
         "timeline_seconds": report.get("timeline", {}),
+        "measured": measured_rates(report["targets"], metrics, spec),
+        "model": spec.model_cfg, "target_path": spec.target_path, "use_gpu": spec.use_gpu,
         "checkpoint": checkpoint_path, "ledger": check, "export": str(Path(spec.run_dir) / "export"),
     }
+
+
+def measured_rates(targets: dict, metrics: list, spec) -> dict:
+    """Per-device rates for the capacity model: target tokens per busy second of an actor, drafter tokens
+    per compute second of a worker (median over steps; data waits excluded)."""
+    import numpy as np
+
+    busy = sum(t["busy_s"] for t in targets.values())
+    tokens = sum(t.get("tokens", 0) for t in targets.values())
+    per_worker = [m["tokens"] / spec.drafter_workers / m["compute_seconds"] for m in metrics[1:]
+                  if m.get("compute_seconds")]
+    waits = [m.get("wait_seconds", 0.0) for m in metrics[1:]]
+    steps = [m.get("step_seconds", 0.0) for m in metrics[1:]]
+    return {"target_tokens_per_second_per_actor": tokens / busy if busy > 0 else None,
+            "drafter_tokens_per_second_per_worker": float(np.median(per_worker)) if per_worker else None,
+            "trainer_wait_fraction": float(sum(waits) / sum(steps)) if sum(steps) > 0 else None}
 
 
 def _epoch_complete(ledger, epoch, n) -> bool:

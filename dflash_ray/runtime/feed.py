@@ -43,8 +43,9 @@ class Feed:
     world: int
     table: pa.Table             # index, epoch, position, epoch_batches, bucket, num_tokens, sample_ids, lengths
     steps: int                  # optimizer steps in this feed
-    total_steps: int            # steps of the whole run: cursor.step + steps
+    total_steps: int            # where this feed ends: cursor.step + steps (max_steps stops it early)
     epoch_steps: dict           # epoch -> steps that epoch has in this feed
+    schedule_steps: int = 0     # steps of all planned epochs at this W: the LR schedule's length
 
     @property
     def num_rows(self) -> int:
@@ -56,20 +57,23 @@ def steps_in_epoch(num_batches: int, start: int, world: int) -> int:
 
 
 def build_feed(plan_for_epoch, cursor: Cursor, world: int, epochs: int, max_steps: int | None) -> Feed:
-    """plan_for_epoch(e) -> Plan. Rows of every remaining step, fillers included."""
+    """plan_for_epoch(e) -> Plan. Rows of every remaining step, fillers included. `max_steps` stops the
+    feed early; the LR schedule still spans every planned epoch (`schedule_steps`), so a run stopped
+    early and resumed with a larger max_steps follows the same schedule as one that never stopped."""
     if world < 1:
         raise ValueError(f"world must be >= 1, got {world}")
     budget = None if max_steps is None else max(0, int(max_steps) - cursor.step)
     cols = {k: [] for k in ("epoch", "position", "epoch_batches", "bucket", "num_tokens")}
     sample_lists, length_lists, epoch_steps = [], [], {}
-    steps = 0
+    steps, planned = 0, 0
     e, start = cursor.epoch, cursor.position
-    while e < epochs and (budget is None or steps < budget):
+    while e < epochs:
         plan = plan_for_epoch(e)
         n = plan.num_batches
         k = steps_in_epoch(n, start, world)
+        planned += k
         if budget is not None:
-            k = min(k, budget - steps)
+            k = max(0, min(k, budget - steps))
         if k > 0:
             stop = min(n, start + k * world)
             pos = np.arange(start, stop, dtype=np.int64)
@@ -105,7 +109,7 @@ def build_feed(plan_for_epoch, cursor: Cursor, world: int, epochs: int, max_step
         "lengths": pa.array([x.tolist() for x in length_lists], type=pa.list_(pa.int64())),
     })
     return Feed(cursor=cursor, world=world, table=table, steps=steps, total_steps=cursor.step + steps,
-                epoch_steps=epoch_steps)
+                epoch_steps=epoch_steps, schedule_steps=cursor.step + planned)
 
 
 def rank_rows(step: int, world: int, workers: int, rank: int) -> list[int]:

@@ -86,6 +86,37 @@ def _to_tensors(batch, device):
     return ids, mask, ctx, lengths
 
 
+class Prefetcher:
+    """Pulls the worker's stream in a background thread from the moment the worker starts, so the Ray
+    Data pipeline (and its target actors) spin up while the drafter is being built."""
+
+    _END = object()
+
+    def __init__(self, iterable, size: int):
+        import queue
+        import threading
+
+        self.q = queue.Queue(maxsize=max(1, size))
+        self.thread = threading.Thread(target=self._pull, args=(iterable,), daemon=True)
+        self.thread.start()
+
+    def _pull(self, iterable):
+        try:
+            for item in iterable:
+                self.q.put(item)
+            self.q.put(self._END)
+        except BaseException as e:  # re-raised in the training thread
+            self.q.put(e)
+
+    def __next__(self):
+        item = self.q.get()
+        if item is self._END:
+            raise StopIteration
+        if isinstance(item, BaseException):
+            raise item
+        return item
+
+
 def train_loop_per_worker(config: dict) -> None:
     import ray
     import ray.train
@@ -102,6 +133,9 @@ def train_loop_per_worker(config: dict) -> None:
     device = ray.train.torch.get_device() if spec.use_gpu else torch.device("cpu")
     if not spec.use_gpu:
         torch.set_num_threads(int(config.get("threads", 1)))
+    shard = ray.train.get_dataset_shard("train")
+    it = Prefetcher(shard.iter_batches(batch_size=1, batch_format="numpy", prefetch_batches=1),
+                    size=spec.grad_accum)
     coord = ray.get_actor(spec.coordinator, namespace=spec.namespace)
     coord.worker_started.remote(rank, os.getpid(), ray.get_runtime_context().get_node_id())
     feed = ray.get(coord.feed_info.remote())
@@ -118,7 +152,7 @@ def train_loop_per_worker(config: dict) -> None:
     if n > 1:
         model = nn.parallel.DistributedDataParallel(
             wrapper, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
-    opt, sched = make_optimizer(spec, drafter, total_steps)
+    opt, sched = make_optimizer(spec, drafter, feed["schedule_steps"])
 
     cursor = Cursor()
     ckpt = ray.train.get_checkpoint()
@@ -137,11 +171,10 @@ def train_loop_per_worker(config: dict) -> None:
     params = drafter.trainable_parameters()
     bsz = drafter.block_size
     steps = total_steps - cursor.step
-    shard = ray.train.get_dataset_shard("train")
-    it = iter(shard.iter_batches(batch_size=1, batch_format="numpy", prefetch_batches=1))
     dummy = None
     t_step = time.perf_counter()
     for s in range(steps):
+        t_wait = time.perf_counter()
         micro = []
         for idx in rank_rows(s, world, n, rank):
             b = next(it)
@@ -149,6 +182,7 @@ def train_loop_per_worker(config: dict) -> None:
                 raise RuntimeError(f"rank {rank} expected feed row {idx} (stream {gen}) but got row "
                                    f"{int(b['index'][0])} (stream {int(b['gen'][0])}): the stream lost its order")
             micro.append(b)
+        t_compute = time.perf_counter()
         # per-step stats, all-reduced once: [loss_sum, weight_sum, tokens, correct(B-1), count(B-1),
         #                                    then per row j of the step: position+1, bucket+1, tokens, epoch+1]
         head = 3 + 2 * (bsz - 1)
@@ -197,6 +231,7 @@ def train_loop_per_worker(config: dict) -> None:
         sched.step()
         opt.zero_grad(set_to_none=True)
 
+        compute_s = time.perf_counter() - t_compute
         rows = stats[head:].view(world, 4).numpy()
         positions = [int(p) - 1 for p in rows[:, 0]]
         epoch = int(max(rows[:, 3])) - 1
@@ -213,10 +248,11 @@ def train_loop_per_worker(config: dict) -> None:
                       "buckets": [int(x) - 1 for x in rows[:, 1]], "tokens": [int(x) for x in rows[:, 2]]}
             metrics = {"step": step, "epoch": epoch, "loss": float(stats[0]) / max(total_w, 1e-12),
                        "tokens": int(stats[2]), "weight_sum": total_w, "lr": lr, "grad_norm": grad_norm,
-                       "step_seconds": now - t_step, "slot_accuracy": acc,
+                       "step_seconds": now - t_step, "wait_seconds": t_compute - t_wait,
+                       "compute_seconds": compute_s, "slot_accuracy": acc,
                        "acceptance_length": float(expected_acceptance_length(acc)),
                        "epoch_progress": (max(real) + 1) / epoch_batches if real else 1.0,
-                       "total_steps": total_steps, "world": world}
+                       "total_steps": total_steps, "schedule_steps": feed["schedule_steps"], "world": world}
             coord.commit_step.remote(record, metrics)
             coord.consumed_upto.remote(gen, (s + 1) * world)
         t_step = now

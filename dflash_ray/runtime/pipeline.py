@@ -158,8 +158,12 @@ class TargetForward:
 def context_tensor(batch: dict):
     import torch
 
+    import warnings
+
     arr = batch["context"][0]
-    t = torch.from_numpy(np.ascontiguousarray(arr))
+    with warnings.catch_warnings():  # a read-only view of the object store: we never write to it
+        warnings.simplefilter("ignore", UserWarning)
+        t = torch.from_numpy(np.ascontiguousarray(arr))
     if str(batch["context_dtype"][0]) == "bfloat16":
         t = t.view(torch.bfloat16)
     return t
@@ -196,7 +200,8 @@ class DatasetFactory:
         s = self.spec
         feed = self.feed()
         coord = ray.get_actor(s.coordinator, namespace=s.namespace)
-        gen = ray.get(coord.reset_feed.remote(feed.total_steps, feed.cursor.as_dict(), s.world))
+        gen = ray.get(coord.reset_feed.remote(feed.total_steps, feed.cursor.as_dict(), s.world,
+                                             feed.schedule_steps))
         feed_ref = ray.put(feed.table)
         n = max(feed.num_rows, 1)
         ds = ray.data.range(n, override_num_blocks=n)

@@ -1,0 +1,84 @@
+"""The capacity model: how to split N GPUs between target forwards and drafter training.
+
+With T = target tokens/s per GPU (feature capture) and D = drafter tokens/s per GPU (training step), a
+split of t target and d = N - t drafter GPUs streams min(t*T, d*D) tokens/s: the pipeline runs at its
+slower side. The best split puts t near N*D/(T+D); we try every integer split and keep the best.
+
+Rates come from, in order: cluster.target_tokens_per_gpu / cluster.drafter_tokens_per_gpu when set;
+else the `measured` block of <run.dir>/summary.json when that run trained the same model on the same
+kind of device; else the seed run's figures (8 GPUs, 6 target + 2 drafter, 25.3K tokens/s, assuming
+that split was balanced), labelled as such. `dflash-ray plan cluster=...` prints the report.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+SEED_RUN = {"gpus": 8, "target": 6, "drafter": 2, "tokens_per_second": 25300.0}
+
+
+def best_split(n_gpus: int, target_rate: float, drafter_rate: float) -> dict:
+    """All splits t + d = n_gpus (t, d >= 1) with their throughput; the best first."""
+    if n_gpus < 2:
+        raise ValueError("need at least 2 devices (one target, one drafter)")
+    splits = []
+    for t in range(1, n_gpus):
+        d = n_gpus - t
+        tput = min(t * target_rate, d * drafter_rate)
+        splits.append({"target": t, "drafter": d, "tokens_per_second": tput,
+                       "bottleneck": "target" if t * target_rate < d * drafter_rate else "drafter",
+                       "target_utilisation": tput / (t * target_rate),
+                       "drafter_utilisation": tput / (d * drafter_rate)})
+    best = max(splits, key=lambda s: (s["tokens_per_second"], -s["target"]))
+    return {"best": best, "splits": splits}
+
+
+def _rates(cfg) -> tuple[float, float, str]:
+    c = cfg.cluster
+    t, d = c.get("target_tokens_per_gpu"), c.get("drafter_tokens_per_gpu")
+    if t is not None and d is not None:
+        return float(t), float(d), "config (cluster.target_tokens_per_gpu, cluster.drafter_tokens_per_gpu)"
+    summary = Path(str(cfg.run.dir)) / "summary.json"
+    if summary.exists():
+        try:
+            s = json.loads(summary.read_text())
+            m = s.get("measured") or {}
+            same_model = (s.get("model", {}).get("num_draft_layers") == int(cfg.model.num_draft_layers)
+                          and bool(s.get("use_gpu")) == bool(c.use_gpu))
+            mt, md = m.get("target_tokens_per_second_per_actor"), m.get("drafter_tokens_per_second_per_worker")
+            if same_model and mt and md:
+                return (float(t if t is not None else mt), float(d if d is not None else md),
+                        f"measured by the run in {summary.parent}")
+        except (OSError, ValueError):
+            pass
+    sr = SEED_RUN
+    return (float(t if t is not None else sr["tokens_per_second"] / sr["target"]),
+            float(d if d is not None else sr["tokens_per_second"] / sr["drafter"]),
+            "seed-run estimate: 25.3K tokens/s on 6 target + 2 drafter GPUs, assumed balanced")
+
+
+def capacity_report(cfg, plan_summary: dict) -> dict:
+    c = cfg.cluster
+    n = int(c.target_workers) + int(c.drafter_workers)
+    unit = "GPUs" if c.use_gpu else "devices (CPU actors)"
+    t_rate, d_rate, source = _rates(cfg)
+    model = best_split(n, t_rate, d_rate)
+    configured = next(s for s in model["splits"] if s["target"] == int(c.target_workers))
+    best = model["best"]
+    tokens = plan_summary.get("tokens") or 0
+    cap = {"devices": n, "target_tokens_per_gpu": t_rate, "drafter_tokens_per_gpu": d_rate, "source": source,
+           "configured": configured, "best": best,
+           "epoch_hours_configured": tokens / configured["tokens_per_second"] / 3600 if tokens else None,
+           "epoch_hours_best": tokens / best["tokens_per_second"] / 3600 if tokens else None}
+    text = [
+        f"capacity model ({cfg.cluster.name}: {n} {unit}); rates from {source}",
+        f"  target {t_rate:,.0f} tokens/s per device, drafter {d_rate:,.0f} tokens/s per device",
+        f"  configured split {configured['target']} target + {configured['drafter']} drafter: "
+        f"{configured['tokens_per_second']:,.0f} tokens/s ({configured['bottleneck']}-bound)",
+        f"  best split       {best['target']} target + {best['drafter']} drafter: "
+        f"{best['tokens_per_second']:,.0f} tokens/s ({best['bottleneck']}-bound)",
+    ]
+    if tokens:
+        text.append(f"  one epoch ({tokens:,} tokens): {cap['epoch_hours_configured']:.2f} h configured, "
+                    f"{cap['epoch_hours_best']:.2f} h at the best split")
+    return {"capacity": cap, "text": text}

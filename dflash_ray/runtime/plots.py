@@ -1,0 +1,89 @@
+"""`dflash-ray plot [RUN_DIR]`: PNGs of a run from its metrics.jsonl and ledger.jsonl.
+
+    plots/loss.png               loss (and the expected acceptance length) over optimizer steps
+    plots/tokens_per_second.png  trained tokens per second over steps
+    plots/buckets.png            the length bucket of every batch of every step, as a strip
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from dflash_ray.errors import UserError
+
+
+def plot_run(run_dir, out_dir=None) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from dflash_ray.runtime.coordinator import METRICS, last_metrics
+    from dflash_ray.runtime.ledger import LEDGER, read_jsonl
+
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise UserError(f"{run_dir}: run directory does not exist")
+    metrics = last_metrics(run_dir)
+    if not metrics:
+        raise UserError(f"{run_dir / METRICS}: no metrics (has this run trained a step?)")
+    out = Path(out_dir) if out_dir else run_dir / "plots"
+    out.mkdir(parents=True, exist_ok=True)
+    steps = np.array([m["step"] for m in metrics])
+    paths = []
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.plot(steps, [m["loss"] for m in metrics], label="loss", color="tab:blue")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss (weighted CE)")
+    acc = [m.get("acceptance_length") for m in metrics]
+    if any(a is not None for a in acc):
+        ax2 = ax.twinx()
+        ax2.plot(steps, [np.nan if a is None else a for a in acc], color="tab:green", alpha=0.7,
+                 label="expected acceptance length")
+        ax2.set_ylabel("expected acceptance length", color="tab:green")
+    ax.set_title(f"{run_dir.name}: loss")
+    fig.tight_layout()
+    paths.append(out / "loss.png")
+    fig.savefig(paths[-1], dpi=100)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(8, 4))
+    ax.plot(steps, [m.get("tokens_per_second", 0.0) for m in metrics], color="tab:orange")
+    restarts = [m["step"] for a, m in zip(metrics, metrics[1:]) if m.get("attempt", 1) != a.get("attempt", 1)]
+    for s in restarts:
+        ax.axvline(s, color="red", ls="--", lw=1)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("tokens / s")
+    ax.set_title(f"{run_dir.name}: throughput" + (" (red: restarts)" if restarts else ""))
+    fig.tight_layout()
+    paths.append(out / "tokens_per_second.png")
+    fig.savefig(paths[-1], dpi=100)
+    plt.close(fig)
+
+    ledger = read_jsonl(run_dir / LEDGER)
+    if ledger:
+        width = max(len(r["buckets"]) for r in ledger)
+        strip = np.full((width, len(ledger)), np.nan)
+        for j, r in enumerate(ledger):
+            for i, b in enumerate(r["buckets"]):
+                strip[i, j] = b if b >= 0 else np.nan
+        fig, ax = plt.subplots(figsize=(8, 1.2 + 0.3 * width))
+        im = ax.imshow(strip, aspect="auto", interpolation="nearest", cmap="viridis",
+                       extent=(0.5, len(ledger) + 0.5, width - 0.5, -0.5))
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("batch in step")
+        ax.set_title(f"{run_dir.name}: length bucket of each batch")
+        fig.colorbar(im, ax=ax, label="bucket")
+        fig.tight_layout()
+        paths.append(out / "buckets.png")
+        fig.savefig(paths[-1], dpi=100)
+        plt.close(fig)
+    return paths
+
+
+def plot_command(cfg, args) -> int:
+    run_dir = getattr(args, "run_dir", None) or cfg.run.dir
+    for p in plot_run(run_dir):
+        print(p)
+    return 0

@@ -1,0 +1,236 @@
+"""The runtime's pure parts, without Ray Train: the feed layout, cursors, the ledger, the LR schedule,
+checkpoint completeness, the capacity model, the token store, and the coordinator's flight window."""
+from __future__ import annotations
+
+import json
+import math
+import time
+from types import SimpleNamespace
+
+import numpy as np
+import pyarrow as pa
+import pytest
+
+from dflash_ray.data.plan import PlanSpec, build_plan
+from dflash_ray.runtime.capacity import best_split, capacity_report
+from dflash_ray.runtime.feed import FILLER, Cursor, build_feed, cursor_after, rank_rows
+from dflash_ray.runtime.ledger import read_jsonl, rewrite_jsonl, rollback, verify_ledger
+from dflash_ray.runtime.loop import batch_seed, lr_lambda
+
+
+def _plans(num_samples=300, seed=0):
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(40, 500, size=num_samples)
+    spec = PlanSpec(boundaries=[96, 192, 512], max_tokens_per_batch=1024, min_tokens=16)
+    cache = {}
+
+    def plan_for(e):
+        if e not in cache:
+            cache[e] = build_plan(np.arange(num_samples), lengths, spec, seed=seed, epoch=e)
+        return cache[e]
+
+    return plan_for
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_feed_covers_each_epoch_once_in_plan_order(world):
+    plan_for = _plans()
+    feed = build_feed(plan_for, Cursor(), world, epochs=2, max_steps=None)
+    t = feed.table.to_pydict()
+    assert feed.num_rows == feed.steps * world and t["index"] == list(range(feed.num_rows))
+    for e in (0, 1):
+        n = plan_for(e).num_batches
+        pos = [p for p, ep in zip(t["position"], t["epoch"]) if ep == e]
+        real = [p for p in pos if p != FILLER]
+        assert real == list(range(n))                       # plan order, every batch once
+        assert len(pos) % world == 0                        # a step never spans two epochs
+        assert all(p == FILLER for p in pos[n:])            # fillers only at the epoch's tail
+        assert feed.epoch_steps[e] == math.ceil(n / world)
+    # rows carry the plan's batches
+    k = t["position"].index(5)
+    assert t["sample_ids"][k] == plan_for(0).batch(5).tolist()
+    assert feed.schedule_steps == feed.total_steps == feed.steps
+
+
+def test_feed_resumes_at_cursor_and_stops_at_max_steps():
+    plan_for = _plans()
+    n0 = plan_for(0).num_batches
+    full = build_feed(plan_for, Cursor(), 2, epochs=2, max_steps=None)
+    part = build_feed(plan_for, Cursor(), 2, epochs=2, max_steps=5)
+    assert part.steps == 5 and part.total_steps == 5 and part.schedule_steps == full.steps
+    rest = build_feed(plan_for, Cursor(0, 10, 5), 2, epochs=2, max_steps=None)
+    assert rest.table.column("position").to_pylist()[:3] == [10, 11, 12]
+    assert rest.total_steps == full.total_steps == rest.schedule_steps
+    # a different W from the same global position: same batches, different step boundaries
+    rest3 = build_feed(plan_for, Cursor(0, 10, 5), 3, epochs=2, max_steps=None)
+    real = lambda f: [(e, p) for e, p in zip(f.table.column("epoch").to_pylist(),  # noqa: E731
+                                             f.table.column("position").to_pylist()) if p != FILLER]
+    assert real(rest3) == real(rest) and real(rest)[0] == (0, 10) and len(real(rest)) == 2 * n0 - 10 + (
+        plan_for(1).num_batches - n0)
+    assert build_feed(plan_for, Cursor(2, 0, 99), 2, epochs=2, max_steps=None).steps == 0
+
+
+def test_rank_rows_and_cursor_after():
+    assert rank_rows(0, 4, 2, 0) == [0, 2] and rank_rows(0, 4, 2, 1) == [1, 3]
+    assert rank_rows(3, 2, 2, 1) == [7]
+    assert sorted(r for rank in range(3) for r in rank_rows(5, 6, 3, rank)) == list(range(30, 36))
+    assert cursor_after(0, [4, 5], 11, 3) == Cursor(0, 6, 3)
+    assert cursor_after(0, [10, FILLER], 11, 6) == Cursor(1, 0, 6)
+    assert cursor_after(1, [9, 10], 11, 12) == Cursor(2, 0, 12)
+
+
+def test_ledger_verify_rollback_and_torn_lines(tmp_path):
+    sizes = {0: 5, 1: 5}
+    recs = [{"epoch": 0, "step": 1, "positions": [0, 1]}, {"epoch": 0, "step": 2, "positions": [2, 3]},
+            {"epoch": 0, "step": 3, "positions": [4, -1]}, {"epoch": 1, "step": 4, "positions": [0, 1]}]
+    ok = verify_ledger(recs, sizes, finished_epochs=[0])
+    assert ok["ok"] and ok["batches"] == 7
+    dup = verify_ledger(recs + [{"epoch": 1, "step": 5, "positions": [1, 2]}], sizes, finished_epochs=[0])
+    assert not dup["ok"] and dup["duplicates"] == [(1, 1)]
+    miss = verify_ledger(recs[:2] + recs[3:], sizes, finished_epochs=[0])
+    assert not miss["ok"] and miss["missing"] == {0: [4]}
+
+    path = tmp_path / "ledger.jsonl"
+    rewrite_jsonl(path, recs)
+    with open(path, "a") as f:
+        f.write('{"epoch": 1, "step": 5, "posi')                  # a writer killed mid-line
+    assert len(read_jsonl(path)) == 4
+    assert rollback(path, 2) == 2
+    assert [r["step"] for r in read_jsonl(path)] == [1, 2]
+    assert path.read_text().endswith("\n")
+
+
+def test_lr_schedule_warmup_then_cosine_to_zero():
+    f = lr_lambda(100, 0.04)
+    assert [round(f(s), 3) for s in range(5)] == [0.25, 0.5, 0.75, 1.0, 1.0]
+    assert f(52) == pytest.approx(0.5, abs=0.02) and f(100) == pytest.approx(0.0, abs=1e-9)
+    assert all(f(s) >= f(s + 1) for s in range(4, 100))
+
+
+def test_batch_seed_depends_only_on_the_batch():
+    assert batch_seed(0, 1, 7) == batch_seed(0, 1, 7)
+    assert len({batch_seed(0, e, p) for e in range(3) for p in range(50)}) == 150
+
+
+def test_checkpoint_manifest_detects_incomplete(tmp_path):
+    import torch
+
+    from dflash_ray.runtime.checkpoint import (IncompleteCheckpoint, load_checkpoint, read_state,
+                                               write_checkpoint, write_rank_files)
+
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(10, 0.1))
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    sched.step()
+    d = tmp_path / "ckpt"
+    write_checkpoint(d, drafter=model, optimizer=opt, scheduler=sched, cursor=Cursor(0, 6, 3), world_size=2)
+    with pytest.raises(IncompleteCheckpoint, match="rng_rank1"):
+        read_state(d)
+    write_rank_files(d, 1)
+    assert read_state(d)["cursor"] == {"epoch": 0, "position": 6, "step": 3}
+    model2 = torch.nn.Linear(4, 3)
+    opt2 = torch.optim.AdamW(model2.parameters(), lr=1e-3)
+    sched2 = torch.optim.lr_scheduler.LambdaLR(opt2, lr_lambda(10, 0.1))
+    assert load_checkpoint(d, drafter=model2, optimizer=opt2, scheduler=sched2, rank=1) == Cursor(0, 6, 3)
+    assert torch.equal(model2.weight, model.weight) and sched2.last_epoch == 1
+    assert torch.equal(opt2.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+    (d / "optim.pt").write_bytes((d / "optim.pt").read_bytes()[:10])  # truncated upload
+    with pytest.raises(IncompleteCheckpoint, match="optim.pt"):
+        read_state(d)
+
+
+def test_latest_checkpoint_cursor_reads_ray_trains_record(tmp_path):
+    from dflash_ray.runtime.checkpoint import SNAPSHOT, cursor_metrics, latest_checkpoint_cursor
+
+    assert latest_checkpoint_cursor(str(tmp_path)) == Cursor()
+    snap = {"ray_version": "2.60.0", "latest_checkpoint_result": {
+        "checkpoint_dir_name": "checkpoint_x", "metrics": {**cursor_metrics(Cursor(1, 4, 8)), "loss": 1.0}}}
+    (tmp_path / SNAPSHOT).write_text(json.dumps(snap))
+    assert latest_checkpoint_cursor(str(tmp_path)) == Cursor(1, 4, 8)
+
+
+def test_capacity_model_balances_the_pipeline():
+    r = best_split(8, target_rate=4000.0, drafter_rate=12000.0)
+    assert (r["best"]["target"], r["best"]["drafter"]) == (6, 2)
+    assert r["best"]["tokens_per_second"] == 24000.0
+    r = best_split(8, target_rate=12000.0, drafter_rate=4000.0)
+    assert (r["best"]["target"], r["best"]["drafter"]) == (2, 6)
+    assert all(s["tokens_per_second"] <= r["best"]["tokens_per_second"] for s in r["splits"])
+    cluster = _Node(name="8gpu", use_gpu=True, target_workers=6, drafter_workers=2,
+                    target_tokens_per_gpu=5000.0, drafter_tokens_per_gpu=10000.0)
+    cfg = SimpleNamespace(cluster=cluster, run=SimpleNamespace(dir="/nonexistent"),
+                          model=SimpleNamespace(num_draft_layers=5))
+    rep = capacity_report(cfg, {"tokens": 3_600_000})
+    assert rep["capacity"]["best"]["target"] == 5 and rep["capacity"]["configured"]["tokens_per_second"] == 20000
+    assert any("best split" in line and "5 target + 3 drafter" in line for line in rep["text"])
+
+
+class _Node(dict):
+    __getattr__ = dict.__getitem__
+
+
+def test_plan_command_prints_capacity(tmp_path, tiny_data, capsys):
+    from dflash_ray.cli import main
+
+    shards = next(o for o in tiny_data if o.startswith("data.shards="))
+    assert main(["plan", "cluster=8gpu", shards, f"run.dir={tmp_path}"]) == 0
+    out = capsys.readouterr().out
+    assert "capacity model (8gpu: 8 GPUs)" in out and "best split" in out
+
+
+def test_token_store_pads_and_truncates():
+    from dflash_ray.runtime.pipeline import TokenStore
+
+    table = pa.table({"sample_id": pa.array([7, 3], pa.int64()),
+                      "input_ids": pa.array([[1, 2, 3, 4], [5, 6]], pa.list_(pa.int32())),
+                      "loss_mask": pa.array([[0, 1, 1, 1], [1, 1]], pa.list_(pa.int8())),
+                      "num_tokens": pa.array([4, 2], pa.int32())})
+    store = TokenStore(**TokenStore.from_table(table).arrays())
+    ids, mask = store.batch(np.array([7, 3]), np.array([3, 2]), pad_id=0)   # sample 7 truncated to 3
+    assert ids.tolist() == [[1, 2, 3], [5, 6, 0]] and mask.tolist() == [[0, 1, 1], [1, 1, 0]]
+    with pytest.raises(KeyError):
+        store.batch(np.array([5]), np.array([1]), pad_id=0)
+
+
+def test_flight_window_admits_in_order_and_blocks_beyond(ray_session, tmp_path):
+    import ray
+
+    from dflash_ray.runtime.coordinator import RunCoordinator
+
+    coord = ray.remote(RunCoordinator).options(num_cpus=0, max_concurrency=100).remote(
+        str(tmp_path), "window", 3, 2)
+    gen = ray.get(coord.reset_feed.remote(10, {}, 2))
+    assert ray.get([coord.admit.remote(gen, i) for i in range(3)]) == [True] * 3
+    blocked = coord.admit.remote(gen, 3)
+    ready, _ = ray.wait([blocked], timeout=1.0)
+    assert not ready                                        # row 3 waits: 3 rows in flight
+    coord.consumed_upto.remote(gen, 1)
+    assert ray.get(blocked, timeout=30) is True             # row 0 trained -> row 3 admitted
+    stale = coord.admit.remote(gen, 9)
+    new_gen = ray.get(coord.reset_feed.remote(10, {}, 2))   # a restarted stream releases old waiters
+    assert ray.get(stale, timeout=30) is False and new_gen == gen + 1
+    report = ray.get(coord.report.remote())
+    assert report["max_batches_in_flight"] == 3
+    ray.kill(coord)
+
+
+def test_coordinator_writes_ledger_metrics_and_tensorboard(ray_session, tmp_path):
+    from dflash_ray.runtime.coordinator import RunCoordinator, last_metrics
+
+    c = RunCoordinator(str(tmp_path), "tb", 4, 3, tensorboard=True)
+    c.begin_attempt(0, 2)
+    for step in (1, 2):
+        c.commit_step({"epoch": 0, "step": step, "positions": [2 * step - 2, 2 * step - 1], "buckets": [0, 2],
+                       "tokens": [10, 20]},
+                      {"step": step, "epoch": 0, "loss": 3.0 / step, "tokens": 30, "lr": 1e-3, "grad_norm": 1.0})
+    c.begin_attempt(1, 2)                                   # a restart from the step-1 checkpoint
+    c.commit_step({"epoch": 0, "step": 2, "positions": [2, 3], "buckets": [0, 2], "tokens": [10, 20]},
+                  {"step": 2, "epoch": 0, "loss": 1.4, "tokens": 30})
+    c.close()
+    assert [r["step"] for r in read_jsonl(tmp_path / "ledger.jsonl")] == [1, 2]
+    assert [m["loss"] for m in last_metrics(tmp_path)] == [3.0, 1.4]     # the replayed step's last record
+    assert c.report()["trainer_restarts"] == 1 and c.report()["rolled_back_steps"] == 1
+    assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
+    assert json.loads((tmp_path / "events.jsonl").read_text().splitlines()[0])["event"] == "trainer_group_restarted"
