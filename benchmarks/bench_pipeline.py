@@ -137,10 +137,10 @@ def main(argv=None) -> int:
           f"(compute time); trainers waited for data {100 * (m['trainer_wait_fraction'] or 0):.0f}% of the time")
     b = cap["best"]
     print(f"capacity model for {max(n_dev, 2)} devices: best split {b['target']} target + {b['drafter']} "
-          f"drafter -> {b['tokens_per_second']:.0f} tokens/s ({b['bottleneck']}-bound)")
+          f"drafter -> {b['tokens_per_second']:.0f} tokens/s ({b['bottleneck']})")
     for s in cap["splits"]:
         print(f"  {s['target']} target + {s['drafter']} drafter: {s['tokens_per_second']:8.0f} tokens/s "
-              f"({s['bottleneck']}-bound)")
+              f"({s['bottleneck']})")
     return 0
 
 

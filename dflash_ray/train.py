@@ -28,8 +28,9 @@ def train_command(cfg, args) -> int:
         print(json.dumps(summary, indent=2, default=str))
         return 0
     led = summary["ledger"]
+    loss = "-" if summary["final_loss"] is None else f"{summary['final_loss']:.4f}"
     print(f"trained {summary['steps']} steps, {summary['tokens']} tokens at "
-          f"{summary['tokens_per_second']:.0f} tokens/s; final loss {summary['final_loss']:.4f}; "
+          f"{summary['tokens_per_second']:.0f} tokens/s; final loss {loss}; "
           f"failures survived: {summary['failures_survived']}; ledger "
           f"{'exactly-once' if led['ok'] else 'NOT OK: ' + json.dumps(led)}")
     print(f"export: {summary['export']}")

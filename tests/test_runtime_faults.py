@@ -3,16 +3,20 @@
 `faulty` is the job_run's configuration (2 epochs, W = 2), stopped early by train.max_steps=8, and with
 no model.target_path (the target is synthesised into its run directory, from the same config and seed
 as the job's). Mid-epoch a target actor and then a trainer worker are killed; the run must finish by
-itself. Then the same run name is rerun with ONE drafter worker and grad_accum=2 (still W = 2): it resumes
-at the checkpoint's global plan position and finishes both epochs.
+itself. Then the same run name is rerun from the command line (`python -m dflash_ray.train`, a new process
+starting its own local Ray) with ONE drafter worker and grad_accum=2 (still W = 2): it resumes at the
+checkpoint's global plan position and finishes both epochs.
 
 After all that, the ledger covers every planned batch of both epochs exactly once, in the same steps as
 the uninterrupted job's, and the final drafter equals the uninterrupted job's (float tolerance; on this
 machine it is bit for bit)."""
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -80,10 +84,19 @@ def test_kills_then_resume_with_fewer_workers_match_uninterrupted(job_run, train
     assert s["steps"] == 8 and s["ledger"]["ok"], s["ledger"]
     assert read_state(Path(s["checkpoint"]))["cursor"] == {"epoch": 1, "position": 4, "step": 8}
 
-    # the same run name again, with one drafter worker (W = 1 x 2): resumes at epoch 1, position 4
-    spec, s = run("faulty", RUNTIME_RUN + ["cluster.drafter_workers=1", "train.grad_accum=2"])
+    # the same run name again, from the command line in a new process that starts its own local Ray, with
+    # one drafter worker (W = 1 x 2): it resumes at epoch 1, position 4
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "dflash_ray.train", f"run.root={train_run.root}", "run.name=faulty",
+         *run.data, *RUNTIME_RUN, "cluster.drafter_workers=1", "train.grad_accum=2"],
+        env=env, capture_output=True, text=True, timeout=600, cwd=spec.run_dir)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "ledger exactly-once" in proc.stdout and "step 12/12" in proc.stderr   # result line, progress
+    s = json.loads((Path(spec.run_dir) / "summary.json").read_text())
     assert s["steps"] == 12 and s["epochs_finished"] == [0, 1]
     assert s["ledger"]["ok"], s["ledger"]
+    assert s["drafter_workers"] == 1 and s["world"] == 2
 
     job = job_run["summary"]
     ledger = read_jsonl(Path(spec.run_dir) / LEDGER)

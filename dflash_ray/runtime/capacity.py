@@ -26,7 +26,8 @@ def best_split(n_gpus: int, target_rate: float, drafter_rate: float) -> dict:
         d = n_gpus - t
         tput = min(t * target_rate, d * drafter_rate)
         splits.append({"target": t, "drafter": d, "tokens_per_second": tput,
-                       "bottleneck": "target" if t * target_rate < d * drafter_rate else "drafter",
+                       "bottleneck": ("balanced" if abs(t * target_rate - d * drafter_rate) <= 0.01 * tput
+                                      else "target" if t * target_rate < d * drafter_rate else "drafter"),
                        "target_utilisation": tput / (t * target_rate),
                        "drafter_utilisation": tput / (d * drafter_rate)})
     best = max(splits, key=lambda s: (s["tokens_per_second"], -s["target"]))
@@ -74,11 +75,20 @@ def capacity_report(cfg, plan_summary: dict) -> dict:
         f"capacity model ({cfg.cluster.name}: {n} {unit}); rates from {source}",
         f"  target {t_rate:,.0f} tokens/s per device, drafter {d_rate:,.0f} tokens/s per device",
         f"  configured split {configured['target']} target + {configured['drafter']} drafter: "
-        f"{configured['tokens_per_second']:,.0f} tokens/s ({configured['bottleneck']}-bound)",
+        f"{configured['tokens_per_second']:,.0f} tokens/s ({_bound(configured)})",
         f"  best split       {best['target']} target + {best['drafter']} drafter: "
-        f"{best['tokens_per_second']:,.0f} tokens/s ({best['bottleneck']}-bound)",
+        f"{best['tokens_per_second']:,.0f} tokens/s ({_bound(best)})",
     ]
     if tokens:
-        text.append(f"  one epoch ({tokens:,} tokens): {cap['epoch_hours_configured']:.2f} h configured, "
-                    f"{cap['epoch_hours_best']:.2f} h at the best split")
+        text.append(f"  one epoch ({tokens:,} tokens): {_duration(cap['epoch_hours_configured'])} configured, "
+                    f"{_duration(cap['epoch_hours_best'])} at the best split")
     return {"capacity": cap, "text": text}
+
+
+def _duration(hours: float) -> str:
+    s = hours * 3600
+    return f"{hours:.1f} h" if s >= 3600 else (f"{s / 60:.1f} min" if s >= 60 else f"{s:.1f} s")
+
+
+def _bound(split: dict) -> str:
+    return "balanced" if split["bottleneck"] == "balanced" else f"{split['bottleneck']}-bound"

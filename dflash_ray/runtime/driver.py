@@ -22,6 +22,7 @@ def connect(cfg, log=print) -> bool:
     if ray.is_initialized():
         return False
     c = cfg.cluster
+    runtime_env = {"env_vars": dict(STATE_TRACKING)}
     address = c.address
     if address in (None, "auto") and os.environ.get("RAY_ADDRESS"):
         address = os.environ["RAY_ADDRESS"]  # inside `ray job submit`, or set by the user
@@ -185,7 +186,7 @@ def run_training(spec, plan_summary: dict, *, progress: bool = True, log=print) 
     exec_opts.preserve_order = True  # with one-row blocks: round-robin over the train workers
     trainer = TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={"spec": spec, "threads": 1},
+        train_loop_config={"spec": spec, "threads": 1},  # one torch thread per worker: measured best on CPUs
         torch_config=TorchConfig(backend="nccl" if spec.use_gpu else "gloo"),
         scaling_config=ScalingConfig(num_workers=spec.drafter_workers, use_gpu=spec.use_gpu,
                                      resources_per_worker=None if spec.use_gpu else {"CPU": 1}),
@@ -207,10 +208,10 @@ def run_training(spec, plan_summary: dict, *, progress: bool = True, log=print) 
     if result.error is not None:
         raise result.error
     return build_summary(spec, plan_summary, report, result.checkpoint.path if result.checkpoint else None,
-                         last_metrics(spec.run_dir), wall)
+                         last_metrics(spec.run_dir), wall, t0)
 
 
-def build_summary(spec, plan_summary, report, checkpoint_path, metrics, wall) -> dict:
+def build_summary(spec, plan_summary, report, checkpoint_path, metrics, wall, t0=0.0) -> dict:
     from dflash_ray.runtime.ledger import LEDGER, read_jsonl, verify_ledger
 
     ledger = read_jsonl(Path(spec.run_dir) / LEDGER)
@@ -222,8 +223,10 @@ def build_summary(spec, plan_summary, report, checkpoint_path, metrics, wall) ->
                 or _epoch_complete(ledger, e, plan_sizes[e])]
     check = verify_ledger(ledger, plan_sizes, finished_epochs=finished)
     tokens = sum(int(m["tokens"]) for m in metrics)
-    steady = metrics[1:]
-    span = (steady[-1]["time"] - metrics[0]["time"]) if len(steady) >= 1 else 0.0
+    now = [m for m in metrics if m.get("time", 0) >= t0]      # steps trained by this invocation
+    base = now or metrics                                     # (a rerun of a finished run trains none)
+    steady = base[1:]
+    span = (steady[-1]["time"] - base[0]["time"]) if steady else 0.0
     tps = sum(int(m["tokens"]) for m in steady) / span if span > 0 else 0.0
     return {
         "run": spec.run_name, "run_dir": spec.run_dir,
@@ -231,7 +234,8 @@ def build_summary(spec, plan_summary, report, checkpoint_path, metrics, wall) ->
         "epochs": sorted({int(m["epoch"]) for m in metrics}),
         "epochs_finished": finished,
         "tokens": tokens, "tokens_per_second": tps, "wall_seconds": wall,
-        "end_to_end_tokens_per_second": tokens / wall if wall > 0 else 0.0,
+        "tokens_this_invocation": sum(int(m["tokens"]) for m in now),
+        "end_to_end_tokens_per_second": sum(int(m["tokens"]) for m in now) / wall if wall > 0 else 0.0,
         "final_loss": metrics[-1]["loss"] if metrics else None,
         "final_acceptance_length": metrics[-1].get("acceptance_length") if metrics else None,
         "plan": {k: plan_summary.get(k) for k in ("batches", "tokens", "padding_efficiency", "strategy", "order")},

@@ -38,7 +38,8 @@ def _get(holder: _Ref):
     key = holder.ref.hex()
     if key not in _CACHE:
         if len(_CACHE) > 8:
-            _CACHE.clear()
+            for k in [k for k in _CACHE if not isinstance(k, tuple)]:
+                del _CACHE[k]
         _CACHE[key] = ray.get(holder.ref)
     return _CACHE[key]
 
@@ -86,8 +87,10 @@ def join_tokens(batch: dict, *, feed: _Ref, tokens: _Ref, coordinator: str, name
     import ray
 
     index = int(batch["id"][0])
-    coord = ray.get_actor(coordinator, namespace=namespace)
-    ray.get(coord.admit.remote(gen, index))
+    key = ("actor", coordinator, namespace)
+    if key not in _CACHE:
+        _CACHE[key] = ray.get_actor(coordinator, namespace=namespace)
+    ray.get(_CACHE[key].admit.remote(gen, index))
     table = _get(feed)
     row = {k: table.column(k)[index].as_py() for k in ("index", "epoch", "position", "epoch_batches",
                                                        "bucket", "num_tokens", "sample_ids", "lengths")}
