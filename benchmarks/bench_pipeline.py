@@ -33,7 +33,7 @@ def plain_loop(spec, steps: int, threads: int) -> dict:
     import torch
 
     from dflash_ray.data.shards import read_all
-    from dflash_ray.model.target import TargetFeatureExtractor, load_target
+    from dflash_ray.model.target import load_feature_extractor
     from dflash_ray.runtime.feed import FILLER, Cursor, build_feed
     from dflash_ray.runtime.loop import batch_seed, build_model, make_optimizer
     from dflash_ray.runtime.pipeline import TokenStore
@@ -42,7 +42,7 @@ def plain_loop(spec, steps: int, threads: int) -> dict:
     torch.set_num_threads(threads)
     store = TokenStore.from_table(read_all(spec.shards, spec.vocab_size))
     feed = build_feed(lambda e: build_plan_for(spec.plan_cfg, e), Cursor(), spec.world, spec.epochs, steps)
-    target = TargetFeatureExtractor(load_target(spec.target_path), spec.target_layer_ids)
+    target = load_feature_extractor(spec.target_path, spec.target_layer_ids)
     drafter = build_model(spec, torch.device("cpu"))
     opt, sched = make_optimizer(spec, drafter, feed.schedule_steps)
     params = drafter.trainable_parameters()

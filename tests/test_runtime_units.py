@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import time
 from types import SimpleNamespace
 
 import numpy as np

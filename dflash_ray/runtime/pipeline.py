@@ -119,13 +119,13 @@ class TargetForward:
         import ray
         import torch
 
-        from dflash_ray.model.target import TargetFeatureExtractor, load_target
+        from dflash_ray.model.target import load_feature_extractor
 
         if not use_gpu:
             torch.set_num_threads(max(1, threads))
         self.device = torch.device("cuda" if use_gpu else "cpu")
-        self.model = load_target(target_path, device=self.device)
-        self.extract = TargetFeatureExtractor(self.model, list(layer_ids))
+        # only the embedding and layers 0..max(tap): later layers and the LM head are never loaded
+        self.extract = load_feature_extractor(target_path, list(layer_ids), device=self.device)
         self.key = ray.get_runtime_context().get_actor_id()[:12]
         self.coord = ray.get_actor(coordinator, namespace=namespace)
         ray.get(self.coord.target_started.remote(self.key, os.getpid(), ray.get_runtime_context().get_node_id()))
