@@ -24,19 +24,11 @@ from dflash_ray.model.loss import (
     slot_weights,
 )
 from dflash_ray.model.target import TargetFeatureExtractor, build_synthetic_target, load_target
+from helpers_model import one_thread  # noqa: F401  (autouse: one torch thread)
 
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, max_position_embeddings=256, initializer_range=0.1)
 VOCAB, MASK, BLOCK = 300, 299, 8
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny models: a second thread only adds contention on a shared 2-core machine (10x slower measured).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def _perturb(module, seed, scale=0.1):

@@ -15,21 +15,13 @@ from dflash_ray.model.target import (
     load_embed_and_head,
     load_target,
 )
+from helpers_model import one_thread  # noqa: F401  (autouse: one torch thread)
 
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, max_position_embeddings=256, tie_word_embeddings=True)
 VOCAB, MASK, BLOCK = 300, 299, 8
 # The reference passes `past_key_values`, which transformers 5 deprecates in favour of `cache`.
 pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny models: a second thread only adds contention on a shared 2-core machine (10x slower measured).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(autouse=True)

@@ -9,19 +9,11 @@ from dflash.model import DFlashDraftModel
 from dflash_ray.model.drafter import build_drafter
 from dflash_ray.model.export import export_drafter, load_drafter
 from dflash_ray.model.target import build_synthetic_target, load_embed_and_head, load_target
+from helpers_model import one_thread  # noqa: F401  (autouse: one torch thread)
 
 TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=8, num_attention_heads=4,
             num_key_value_heads=2, head_dim=8, max_position_embeddings=256, tie_word_embeddings=False)
 VOCAB = 300
-
-
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    # Tiny models: a second thread only adds contention on a shared 2-core machine (10x slower measured).
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
