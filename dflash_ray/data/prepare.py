@@ -18,7 +18,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from dflash_ray.data.shards import SCHEMA, atomic_dir
+from dflash_ray.atomic import atomic_dir
+from dflash_ray.data.shards import SCHEMA
 from dflash_ray.errors import UserError
 
 ROLES = ("system", "user", "assistant", "tool")

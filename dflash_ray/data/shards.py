@@ -16,7 +16,6 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from dflash_ray.atomic import atomic_dir  # noqa: F401  (re-exported for prepare)
 from dflash_ray.errors import UserError
 
 SCHEMA = pa.schema([
@@ -163,7 +162,7 @@ def check_shards(directory, vocab_size: int | None = None) -> int:
     return sum(t.num_rows for _, t in iter_validated(directory, vocab_size))
 
 
-# ----------------------------------------------------------------------------- atomic writes
+# ----------------------------------------------------------------------------- atomic file writes
 def write_table_atomic(table: pa.Table, path: str | os.PathLike) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
