@@ -7,4 +7,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export RAY_ADDRESS="${RAY_ADDRESS:-http://127.0.0.1:8265}"
 exec ray job submit --runtime-env jobs/runtime_env.yaml -- \
-  python -m dflash_ray.train cluster=local "$@"
+  python -m dflash_ray.train cluster=local run.root="${RUN_ROOT:-$PWD/runs}" "$@"

@@ -11,4 +11,4 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 export RAY_ADDRESS="${RAY_ADDRESS:-http://127.0.0.1:8265}"
 exec ray job submit --runtime-env jobs/runtime_env.yaml -- \
-  python -m dflash_ray.train cluster=multinode model=qwen3_8b data=sharegpt run.name="${RUN_NAME:-qwen3_8b_multinode}" "$@"
+  python -m dflash_ray.train cluster=multinode run.root="${RUN_ROOT:-$PWD/runs}" model=qwen3_8b data=sharegpt run.name="${RUN_NAME:-qwen3_8b_multinode}" "$@"

@@ -207,9 +207,6 @@ class RunCoordinator:
         self.checkpoints.append({"step": int(step), "seconds": float(seconds)})
         self.metrics.ckpt_s.set(float(seconds), tags=self.metrics.run)
 
-    def flush(self) -> bool:
-        return True  # actor calls run in order: when this returns, every earlier commit_step is on disk
-
     # ------------------------------------------------------------ reporting
     def failures_survived(self) -> int:
         return self.trainer_restarts + self.target_restarts

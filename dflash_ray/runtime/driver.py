@@ -78,6 +78,12 @@ def check_resources(spec) -> None:
         raise UserError(f"cluster has {total.get(spec.target_resource, 0):g} of resource '{spec.target_resource}' "
                         f"but cluster.target_workers = {spec.target_workers} (start Ray with "
                         f"--resources '{{\"{spec.target_resource}\": {spec.target_workers}}}')")
+    # trainers take 1 CPU each, target actors 1 (GPU) or 0.5 (CPU), a token-join task 0.25
+    need_cpu = spec.drafter_workers + spec.target_workers * (1 if spec.use_gpu else 0.5) + 0.25
+    if total.get("CPU", 0) < need_cpu:
+        raise UserError(f"cluster has {total.get('CPU', 0):g} CPUs but cluster.drafter_workers = "
+                        f"{spec.drafter_workers} and cluster.target_workers = {spec.target_workers} need "
+                        f"{need_cpu:g} (on one machine, raise cluster.num_cpus: oversubscribing is fine)")
 
 
 def start_coordinator(spec, num_buckets: int):
@@ -207,20 +213,26 @@ def run_training(spec, plan_summary: dict, *, progress: bool = True, log=print) 
     wall = time.time() - t0
     if result.error is not None:
         raise result.error
+    cursor_epoch = (result.metrics or {}).get("cursor_epoch")
     return build_summary(spec, plan_summary, report, result.checkpoint.path if result.checkpoint else None,
-                         last_metrics(spec.run_dir), wall, t0)
+                         last_metrics(spec.run_dir), wall, t0,
+                         finished_before=None if cursor_epoch is None else int(cursor_epoch))
 
 
-def build_summary(spec, plan_summary, report, checkpoint_path, metrics, wall, t0=0.0) -> dict:
+def build_summary(spec, plan_summary, report, checkpoint_path, metrics, wall, t0=0.0,
+                  finished_before: int | None = None) -> dict:
+    """finished_before: the final checkpoint's cursor epoch; every epoch before it was trained to the
+    end, so the ledger must cover each of them exactly once (even one the ledger lacks entirely)."""
     from dflash_ray.runtime.ledger import LEDGER, read_jsonl, verify_ledger
 
     ledger = read_jsonl(Path(spec.run_dir) / LEDGER)
-    sizes = {}
-    for r in ledger:
-        sizes.setdefault(int(r["epoch"]), None)
-    plan_sizes = _plan_sizes(spec, sorted(sizes))
-    finished = [e for e in plan_sizes if any(int(r["epoch"]) > e for r in ledger)
-                or _epoch_complete(ledger, e, plan_sizes[e])]
+    epochs = {int(r["epoch"]) for r in ledger} | set(range(finished_before or 0))
+    plan_sizes = _plan_sizes(spec, sorted(epochs))
+    if finished_before is not None:
+        finished = [e for e in plan_sizes if e < finished_before]
+    else:
+        finished = [e for e in plan_sizes if any(int(r["epoch"]) > e for r in ledger)
+                    or _epoch_complete(ledger, e, plan_sizes[e])]
     check = verify_ledger(ledger, plan_sizes, finished_epochs=finished)
     tokens = sum(int(m["tokens"]) for m in metrics)
     now = [m for m in metrics if m.get("time", 0) >= t0]      # steps trained by this invocation

@@ -173,6 +173,7 @@ def train_loop_per_worker(config: dict) -> None:
     steps = total_steps - cursor.step
     dummy = None
     t_step = time.perf_counter()
+    pending_commits = []  # rank 0's ledger writes since the last checkpoint
     for s in range(steps):
         t_wait = time.perf_counter()
         micro = []
@@ -253,7 +254,7 @@ def train_loop_per_worker(config: dict) -> None:
                        "acceptance_length": float(expected_acceptance_length(acc)),
                        "epoch_progress": (max(real) + 1) / epoch_batches if real else 1.0,
                        "total_steps": total_steps, "schedule_steps": feed["schedule_steps"], "world": world}
-            coord.commit_step.remote(record, metrics)
+            pending_commits.append(coord.commit_step.remote(record, metrics))
             coord.consumed_upto.remote(gen, (s + 1) * world)
         t_step = now
         end_of_epoch = cursor.position == 0
@@ -264,7 +265,10 @@ def train_loop_per_worker(config: dict) -> None:
                 if rank == 0:
                     write_checkpoint(tmp, drafter=drafter, optimizer=opt, scheduler=sched, cursor=cursor,
                                      world_size=n, extra={"run": spec.run_name})
-                    ray.get(coord.flush.remote())  # ledger lines <= this step are on disk first
+                    # ledger lines <= this step are on disk before the checkpoint exists (an async
+                    # actor does not promise to run calls in order: wait for each one)
+                    ray.get(pending_commits)
+                    pending_commits.clear()
                 else:
                     write_rank_files(tmp, rank)
                 ray.train.report({**cursor_metrics(cursor), "step": step, "loss": float(stats[0]) / max(total_w, 1e-12)},
