@@ -221,15 +221,35 @@ def test_coordinator_writes_ledger_metrics_and_tensorboard(ray_session, tmp_path
     c = RunCoordinator(str(tmp_path), "tb", 4, 3, tensorboard=True)
     c.begin_attempt(0, 2)
     for step in (1, 2):
-        c.commit_step({"epoch": 0, "step": step, "positions": [2 * step - 2, 2 * step - 1], "buckets": [0, 2],
+        c.commit_step(c.gen, {"epoch": 0, "step": step, "positions": [2 * step - 2, 2 * step - 1], "buckets": [0, 2],
                        "tokens": [10, 20]},
                       {"step": step, "epoch": 0, "loss": 3.0 / step, "tokens": 30, "lr": 1e-3, "grad_norm": 1.0})
     c.begin_attempt(1, 2)                                   # a restart from the step-1 checkpoint
-    c.commit_step({"epoch": 0, "step": 2, "positions": [2, 3], "buckets": [0, 2], "tokens": [10, 20]},
+    c.commit_step(c.gen, {"epoch": 0, "step": 2, "positions": [2, 3], "buckets": [0, 2], "tokens": [10, 20]},
                   {"step": 2, "epoch": 0, "loss": 1.4, "tokens": 30})
+    # a late commit from the replaced group's stream is dropped, not appended to the new timeline
+    c.commit_step(c.gen - 1, {"epoch": 0, "step": 3, "positions": [4, 5], "buckets": [0, 2], "tokens": [10, 20]},
+                  {"step": 3, "epoch": 0, "loss": 9.9, "tokens": 30})
     c.close()
     assert [r["step"] for r in read_jsonl(tmp_path / "ledger.jsonl")] == [1, 2]
     assert [m["loss"] for m in last_metrics(tmp_path)] == [3.0, 1.4]     # the replayed step's last record
     assert c.report()["trainer_restarts"] == 1 and c.report()["rolled_back_steps"] == 1
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     assert json.loads((tmp_path / "events.jsonl").read_text().splitlines()[0])["event"] == "trainer_group_restarted"
+
+
+def test_check_resources_names_what_the_cluster_lacks(ray_session):
+    """A split the cluster cannot place stops with one line before training, instead of hanging."""
+    from types import SimpleNamespace
+
+    from dflash_ray.errors import UserError
+    from dflash_ray.runtime.driver import check_resources
+
+    fits = SimpleNamespace(use_gpu=False, target_workers=1, drafter_workers=2, target_resource="target_slot")
+    check_resources(fits)  # the shared test cluster: 4 CPUs, 2 target slots
+    with pytest.raises(UserError, match="CPUs but cluster.drafter_workers = 6"):
+        check_resources(SimpleNamespace(**{**vars(fits), "drafter_workers": 6}))
+    with pytest.raises(UserError, match="of resource 'target_slot' but cluster.target_workers = 3"):
+        check_resources(SimpleNamespace(**{**vars(fits), "target_workers": 3}))
+    with pytest.raises(UserError, match="GPUs but cluster.target_workers"):
+        check_resources(SimpleNamespace(**{**vars(fits), "use_gpu": True}))

@@ -170,8 +170,11 @@ class RunCoordinator:
         self.step_times = []
         return {"attempt": self.attempts, "rolled_back": dropped}
 
-    def commit_step(self, record: dict, metrics: dict) -> None:
-        """One optimizer step: a ledger line and a metrics line (written before returning)."""
+    def commit_step(self, gen: int, record: dict, metrics: dict) -> None:
+        """One optimizer step: a ledger line and a metrics line (written before returning). A commit from
+        a replaced worker group's stream (gen != current) is dropped: its timeline was rolled back."""
+        if gen != self.gen:
+            return
         now = time.time()
         self._mark(f"step{record['step']}")
         self.step_times.append((now, int(metrics["tokens"])))

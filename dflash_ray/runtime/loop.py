@@ -254,7 +254,7 @@ def train_loop_per_worker(config: dict) -> None:
                        "acceptance_length": float(expected_acceptance_length(acc)),
                        "epoch_progress": (max(real) + 1) / epoch_batches if real else 1.0,
                        "total_steps": total_steps, "schedule_steps": feed["schedule_steps"], "world": world}
-            pending_commits.append(coord.commit_step.remote(record, metrics))
+            pending_commits.append(coord.commit_step.remote(gen, record, metrics))
             coord.consumed_upto.remote(gen, (s + 1) * world)
         t_step = now
         end_of_epoch = cursor.position == 0
