@@ -9,10 +9,9 @@ from dflash.model import DFlashDraftModel
 from dflash_ray.model.drafter import build_drafter
 from dflash_ray.model.export import export_drafter, load_drafter
 from dflash_ray.model.target import build_synthetic_target, load_embed_and_head, load_target
-from helpers_model import one_thread  # noqa: F401  (autouse: one torch thread)
+from helpers_model import TINY_QWEN3, one_thread  # noqa: F401  (one_thread: autouse, one torch thread)
 
-TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=8, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=8, max_position_embeddings=256, tie_word_embeddings=False)
+TINY = {**TINY_QWEN3, "num_hidden_layers": 8, "tie_word_embeddings": False}
 VOCAB = 300
 
 

@@ -15,10 +15,9 @@ from dflash_ray.model.target import (
     load_feature_extractor,
     load_target,
 )
-from helpers_model import one_thread  # noqa: F401  (autouse: one torch thread)
+from helpers_model import TINY_QWEN3, one_thread  # noqa: F401  (one_thread: autouse, one torch thread)
 
-TINY = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=6, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=8, max_position_embeddings=256, initializer_range=0.1)
+TINY = {**TINY_QWEN3, "num_hidden_layers": 6, "initializer_range": 0.1}
 VOCAB = 300
 
 
