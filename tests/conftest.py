@@ -1,19 +1,19 @@
 """Shared fixtures. One local Ray instance for the whole session (`ray_session`), started on first use:
-on 2 cores, starting Ray per test would cost more than the tests."""
+on 2 cores, starting Ray per test would cost more than the tests.
+
+Markers are applied here, by the fixtures a test uses, so no test file has to remember them:
+`ray` (the test starts or joins Ray) and `slow` (it runs the main job or submits a job). The quick
+loop is `./scripts/run-tests.sh -m "not slow"`.
+"""
 from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
-import subprocess
-import sys
-import tempfile
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
+
+from helpers_cluster import RUNTIME_RUN, TrainRun, submit_job_to_fresh_cluster
 
 # Token auth off for everything this session starts or joins (a local ray.init() would otherwise turn it
 # on and write ~/.ray/auth_token, and later `ray start` / `ray job submit` calls would need the token).
@@ -22,6 +22,33 @@ os.environ.setdefault("RAY_TRAIN_ENABLE_STATE_TRACKING", "1")
 
 RAY_NUM_CPUS = 4          # oversubscribed on purpose: Ray Data starves on 2 logical CPUs
 RAY_TARGET_SLOTS = 2      # the custom resource target actors take instead of GPUs
+
+RAY_FIXTURES = {"ray_session", "train_run", "job_run"}
+SLOW_FIXTURES = {"train_run", "job_run"}
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        used = set(getattr(item, "fixturenames", ()))
+        if used & RAY_FIXTURES:
+            item.add_marker(pytest.mark.ray)
+        if used & SLOW_FIXTURES:
+            item.add_marker(pytest.mark.slow)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_torch_thread():
+    """Tiny models: a second thread only adds contention on a shared 2-core machine (10x slower measured).
+    Ray's workers are other processes and set their own thread counts."""
+    try:
+        import torch
+    except ImportError:  # pragma: no cover - torch is a dependency
+        yield
+        return
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")
@@ -57,158 +84,15 @@ def tiny_data(tmp_path_factory):
             f"data.shards={cfg.data.shards}", f"model.target_path={target}"]
 
 
-class TrainRun:
-    """Runs the main job (driver side, in a thread) against the session's Ray; `during(spec)` runs in
-    the test's thread meanwhile (e.g. to kill a worker)."""
-
-    def __init__(self, root: Path, data_overrides: list[str]):
-        self.root, self.data = root, data_overrides
-
-    def config(self, name: str, overrides=()):
-        from dflash_ray.config import compose_config
-
-        return compose_config([f"run.root={self.root}", f"run.name={name}", *self.data, *overrides])
-
-    def __call__(self, name: str, overrides=(), during=None, timeout: float = 400):
-        import threading
-
-        from dflash_ray.runtime.driver import main_job
-
-        cfg = self.config(name, overrides)
-        out = {}
-
-        def work():
-            try:
-                out["spec"], out["summary"] = main_job(cfg, progress=False, log=lambda *a, **k: None,
-                                                       plan_log=lambda *a, **k: None)
-            except BaseException as e:  # surfaced in the test's thread
-                out["error"] = e
-
-        t = threading.Thread(target=work, daemon=True)
-        t.start()
-        if during is not None:
-            during(name)
-        t.join(timeout)
-        if t.is_alive():
-            raise TimeoutError(f"run {name} did not finish in {timeout}s")
-        if "error" in out:
-            raise out["error"]
-        return out["spec"], out["summary"]
-
-
 @pytest.fixture(scope="session")
 def train_run(ray_session, tiny_data, tmp_path_factory):
     return TrainRun(tmp_path_factory.mktemp("runs"), tiny_data)
 
 
-# ------------------------------------------------------------------ a fresh cluster for `ray job submit`
-REPO = Path(__file__).resolve().parent.parent
-RAY = str(Path(sys.executable).parent / "ray")
-
-
-def free_ports(n):
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
-
-
-def http_get(url, timeout=5.0):
-    try:
-        with urllib.request.urlopen(url, timeout=timeout) as r:
-            return r.read().decode()
-    except OSError:
-        return None
-
-
-def own_processes(marker: str):
-    """PIDs of processes whose command line names this test's temp dir (the cluster it started)."""
-    pids = []
-    for d in Path("/proc").iterdir():
-        if d.name.isdigit():
-            try:
-                if marker in (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="ignore"):
-                    pids.append(int(d.name))
-            except OSError:
-                pass
-    return pids
-
-
-def submit_job_to_fresh_cluster(tmp_path: Path, job_args: list[str]) -> dict:
-    """Start a head node on 127.0.0.1, `ray job submit` the main job with `job_args`, wait for it to end,
-    watch the metrics port meanwhile, stop the cluster. Returns status, logs, a ray_dflash_ line."""
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_metrics_report_interval_ms": "2000"}
-    env.pop("RAY_ADDRESS", None)
-    temp = tempfile.mkdtemp(prefix="dfrjob", dir="/tmp")        # short: Ray puts unix sockets under it
-    gcs, dash, metrics, client, agent, agent_grpc, rtenv, nm, om = free_ports(9)
-    head_log = open(tmp_path / "head.log", "w")
-    head = subprocess.Popen(
-        [RAY, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={gcs}",
-         "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
-         f"--metrics-export-port={metrics}", f"--ray-client-server-port={client}",
-         f"--dashboard-agent-listen-port={agent}", f"--dashboard-agent-grpc-port={agent_grpc}",
-         f"--runtime-env-agent-port={rtenv}", f"--node-manager-port={nm}", f"--object-manager-port={om}",
-         "--num-cpus=4", '--resources={"target_slot": 1}', "--object-store-memory=300000000",
-         f"--temp-dir={temp}", "--disable-usage-stats"],
-        env=env, stdout=head_log, stderr=subprocess.STDOUT, start_new_session=True)
-    address = f"http://127.0.0.1:{dash}"
-    job_env = {**env, "RAY_ADDRESS": address}
-    sid = f"dflash-tiny-{os.getpid()}"
-    seen_metric, status = None, None
-    try:
-        deadline = time.time() + 120
-        while http_get(f"{address}/api/version") is None:
-            assert head.poll() is None, (tmp_path / "head.log").read_text()[-3000:]
-            assert time.time() < deadline, "the head node's dashboard did not come up"
-            time.sleep(1)
-        submit = subprocess.run(
-            [RAY, "job", "submit", "--address", address, "--no-wait", "--submission-id", sid,
-             "--runtime-env", "jobs/runtime_env.yaml", "--",
-             sys.executable, "-m", "dflash_ray.train", *job_args],
-            cwd=REPO, env=job_env, capture_output=True, text=True, timeout=120)
-        assert submit.returncode == 0, submit.stdout + submit.stderr
-        deadline, finished_at = time.time() + 420, None
-        while time.time() < deadline:
-            info = http_get(f"{address}/api/jobs/{sid}")       # what `ray job status` reads
-            status = json.loads(info).get("status") if info else None
-            if seen_metric is None:
-                text = http_get(f"http://127.0.0.1:{metrics}/metrics") or ""
-                found = [line for line in text.splitlines() if line.startswith("ray_dflash_")]
-                seen_metric = found[0] if found else None
-            if status in ("SUCCEEDED", "FAILED", "STOPPED"):
-                finished_at = finished_at or time.time()
-                if seen_metric or status != "SUCCEEDED" or time.time() - finished_at > 20:
-                    break
-            time.sleep(1)
-        logs = subprocess.run([RAY, "job", "logs", "--address", address, sid], env=job_env,
-                              capture_output=True, text=True, timeout=60).stdout
-        return {"status": status, "logs": logs, "metric": seen_metric, "metrics_port": metrics,
-                "submission_id": sid}
-    finally:
-        head.send_signal(signal.SIGINT)                     # `ray start --block` stops its processes
-        try:
-            head.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            head.kill()
-        time.sleep(1)
-        for pid in own_processes(temp):                     # whatever outlived it, by pid
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
-        head_log.close()
-
-
-# The run every runtime test compares against: two epochs straight through, submitted as a user would
-# (`ray job submit` to a `ray start --head` cluster on 127.0.0.1). 11 plan batches per epoch at W = 2.
-RUNTIME_RUN = ["train.epochs=2", "train.checkpoint_every=4", "train.max_failures=3"]
-
-
 @pytest.fixture(scope="session")
 def job_run(tiny_data, tmp_path_factory):
+    """The run every runtime test compares against (RUNTIME_RUN), submitted as a user would. Tests read
+    it; a test that writes into its run directory works on a copy (`job_run_copy`)."""
     root = tmp_path_factory.mktemp("job")
     result = submit_job_to_fresh_cluster(root, [f"run.root={root}", "run.name=job", *tiny_data, *RUNTIME_RUN])
     result["run_dir"] = root / "job"

@@ -24,7 +24,7 @@ from dflash_ray.model.loss import (
     slot_weights,
 )
 from dflash_ray.model.target import TargetFeatureExtractor, build_synthetic_target, load_target
-from helpers_model import TINY_QWEN3, one_thread  # noqa: F401  (one_thread: autouse, one torch thread)
+from helpers_model import TINY_QWEN3
 
 TINY = {**TINY_QWEN3, "num_hidden_layers": 6, "initializer_range": 0.1}
 VOCAB, MASK, BLOCK = 300, 299, 8

@@ -15,7 +15,7 @@ from dflash_ray.model.target import (
     load_embed_and_head,
     load_target,
 )
-from helpers_model import TINY_QWEN3, one_thread  # noqa: F401  (one_thread: autouse, one torch thread)
+from helpers_model import TINY_QWEN3
 
 TINY = {**TINY_QWEN3, "num_hidden_layers": 4, "tie_word_embeddings": True}
 VOCAB, MASK, BLOCK = 300, 299, 8

@@ -9,7 +9,7 @@ from dflash.model import DFlashDraftModel
 from dflash_ray.model.drafter import build_drafter
 from dflash_ray.model.export import export_drafter, load_drafter
 from dflash_ray.model.target import build_synthetic_target, load_embed_and_head, load_target
-from helpers_model import TINY_QWEN3, one_thread  # noqa: F401  (one_thread: autouse, one torch thread)
+from helpers_model import TINY_QWEN3
 
 TINY = {**TINY_QWEN3, "num_hidden_layers": 8, "tie_word_embeddings": False}
 VOCAB = 300

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from conftest import RUNTIME_RUN, TrainRun
+from helpers_cluster import RUNTIME_RUN, TrainRun
 from dflash_ray.runtime.checkpoint import load_weights, read_state
 from dflash_ray.runtime.ledger import LEDGER, read_jsonl
 
