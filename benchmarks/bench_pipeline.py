@@ -13,7 +13,7 @@ and the drafter's loss, backward; per step one AdamW update normalised by the st
 Tokens/s is steady state on both sides: real (unpadded) tokens of steps 2..N over their wall time (the
 first step carries process start-up and, for Ray, the pipeline's warm-up); the Ray job's whole wall time
 is printed too. Then the capacity model with the rates this run measured. The goal on 2 cores is a
-ratio (ray / plain) of at least 0.8.
+ratio (ray / plain) of at least 0.8 (`--check`: exit 1 below it).
 """
 from __future__ import annotations
 
@@ -26,57 +26,49 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+GOAL = 0.8   # Ray pipeline tokens/s over the plain loop's
 
 
-def plain_loop(spec, steps: int, threads: int) -> dict:
+def plain_loop(run_spec, steps: int, threads: int) -> dict:
+    """The same batches and the same step function (`train_step`) as the Ray workers, in one process."""
     import numpy as np
     import torch
 
     from dflash_ray.data.shards import read_all
     from dflash_ray.model.target import load_feature_extractor
-    from dflash_ray.runtime.feed import FILLER, Cursor, build_feed
-    from dflash_ray.runtime.loop import batch_seed, build_model, make_optimizer
+    from dflash_ray.runtime.feed import Cursor, build_feed
     from dflash_ray.runtime.pipeline import TokenStore
-    from dflash_ray.runtime.spec import build_plan_for
+    from dflash_ray.runtime.rows import FILLER, TrainRow, encode_features, token_row
+    from dflash_ray.runtime.step import LossModule, build_run_drafter, make_optimizer, train_step
 
     torch.set_num_threads(threads)
-    store = TokenStore.from_table(read_all(spec.shards, spec.vocab_size))
-    feed = build_feed(lambda e: build_plan_for(spec.plan_cfg, e), Cursor(), spec.world, spec.epochs, steps)
-    target = load_feature_extractor(spec.target_path, spec.target_layer_ids)
-    drafter = build_model(spec, torch.device("cpu"))
-    opt, sched = make_optimizer(spec, drafter, feed.schedule_steps)
-    params = drafter.trainable_parameters()
+    per_step = run_spec.batches_per_step
+    store = TokenStore.from_table(read_all(run_spec.shards, run_spec.vocab_size))
+    feed = build_feed(run_spec.build_plan, Cursor(), per_step, run_spec.train.epochs, steps)
+    target = load_feature_extractor(run_spec.target_path, list(run_spec.drafter.target_layer_ids))
+    drafter = build_run_drafter(run_spec, torch.device("cpu"))
+    model = LossModule(drafter)
+    opt, sched = make_optimizer(run_spec.train, drafter, feed.schedule_steps)
     rows = feed.table.to_pylist()
     times, tokens, losses = [], [], []
     for s in range(feed.steps):
         t0 = time.perf_counter()
-        loss_sum, weight_sum, step_tokens = 0.0, 0.0, 0
-        for row in rows[s * spec.world:(s + 1) * spec.world]:
+        batch = []
+        for row in rows[s * per_step:(s + 1) * per_step]:
             if row["position"] == FILLER:
-                continue
+                continue  # the plain loop has no collective to keep in step
             lengths = np.asarray(row["lengths"])
-            ids, mask = store.batch(np.asarray(row["sample_ids"]), lengths, spec.pad_token_id)
-            ids_t = torch.from_numpy(ids.astype(np.int64))
-            mask_t = torch.from_numpy(mask.astype(np.int64))
-            len_t = torch.from_numpy(lengths)
-            attn = (torch.arange(ids_t.shape[1])[None] < len_t[:, None]).long()
-            context = target(ids_t, attn)
-            g = torch.Generator().manual_seed(batch_seed(spec.seed, row["epoch"], row["position"]))
-            out = drafter.training_loss(ids_t, mask_t, context, len_t, g)
-            out.loss_sum.backward()
-            loss_sum += float(out.loss_sum.detach())
-            weight_sum += float(out.weight_sum)
-            step_tokens += int(row["num_tokens"])
-        for p in params:
-            if p.grad is not None:
-                p.grad.div_(weight_sum)
-        torch.nn.utils.clip_grad_norm_(params, spec.grad_clip)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
+            ids, mask = store.batch(np.asarray(row["sample_ids"]), lengths, run_spec.pad_token_id)
+            attn = (torch.arange(ids.shape[1])[None] < torch.from_numpy(lengths)[:, None]).long()
+            with torch.no_grad():
+                context, dtype = encode_features(target(torch.from_numpy(ids.astype(np.int64)), attn))
+            cols = token_row(row, 0, ids, mask, lengths)
+            batch.append(TrainRow.from_batch({**cols, "context": context[None], "context_dtype": np.array([dtype])}))
+        result = train_step(model, drafter, opt, sched, batch, rank=0, workers=1, batches_per_step=len(batch),
+                            seed=run_spec.seed, grad_clip=run_spec.train.grad_clip, device=torch.device("cpu"))
         times.append(time.perf_counter() - t0)
-        tokens.append(step_tokens)
-        losses.append(loss_sum / weight_sum)
+        tokens.append(result.tokens)
+        losses.append(result.loss)
     steady = sum(tokens[1:]) / sum(times[1:]) if len(times) > 1 else float("nan")
     return {"steps": feed.steps, "tokens": sum(tokens), "tokens_per_second": steady,
             "wall_seconds": sum(times), "final_loss": losses[-1], "threads": threads}
@@ -88,13 +80,14 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="torch threads of the plain loop")
     ap.add_argument("--run-root", default=None, help="where the benchmark's run directories go (default: a temp dir)")
     ap.add_argument("--json", action="store_true")
+    ap.add_argument("--check", action="store_true", help="exit 1 when the ratio misses the goal")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
 
     from dflash_ray.config import compose_config
     from dflash_ray.runtime.capacity import best_split
-    from dflash_ray.runtime.driver import main_job
     from dflash_ray.runtime.spec import resolve_spec
+    from dflash_ray.train import main_job
 
     root = Path(args.run_root or tempfile.mkdtemp(prefix="dflash-bench-"))
     base = [f"run.root={root}", "run.name=bench", f"train.max_steps={args.steps}",
@@ -114,23 +107,24 @@ def main(argv=None) -> int:
     ray_wall = time.time() - t0
     ratio = summary["tokens_per_second"] / plain["tokens_per_second"]
     m = summary["measured"]
-    n_dev = spec.target_workers + spec.drafter_workers
+    n_dev = spec.cluster.target_workers + spec.cluster.drafter_workers
     cap = best_split(max(n_dev, 2), m["target_tokens_per_second_per_actor"], m["drafter_tokens_per_second_per_worker"])
     result = {"plain": plain, "ray": {"steps": summary["steps"], "tokens": summary["tokens"],
                                       "tokens_per_second": summary["tokens_per_second"],
                                       "job_wall_seconds": ray_wall, "final_loss": summary["final_loss"],
                                       "target_actors": summary["target_actors"], "measured": m,
                                       "max_batches_in_flight": summary["max_batches_in_flight"]},
-              "ratio": ratio, "goal": 0.8, "capacity": cap,
-              "config": {"drafter_workers": spec.drafter_workers, "target_workers": spec.target_workers,
-                         "grad_accum": spec.grad_accum, "cpus": os.cpu_count()}}
+              "ratio": ratio, "goal": GOAL, "pass": ratio >= GOAL, "capacity": cap,
+              "config": {"drafter_workers": spec.cluster.drafter_workers, "target_workers": spec.cluster.target_workers,
+                         "grad_accum": spec.train.grad_accum, "cpus": os.cpu_count()}}
+    failed = 1 if (args.check and ratio < GOAL) else 0
     if args.json:
         print(json.dumps(result, indent=2, default=str))
-        return 0
+        return failed
     print(f"ray pipeline:              {summary['tokens_per_second']:.0f} tokens/s "
-          f"({summary['steps']} steps, {spec.drafter_workers} drafter workers, {spec.target_workers} target "
+          f"({summary['steps']} steps, {spec.cluster.drafter_workers} drafter workers, {spec.cluster.target_workers} target "
           f"actor(s); job wall time incl. start-up {ray_wall:.0f}s)")
-    print(f"ratio ray / plain:         {ratio:.2f}  (goal >= 0.8)")
+    print(f"ratio ray / plain:         {ratio:.2f}  (goal >= {GOAL}: {'PASS' if ratio >= GOAL else 'FAIL'})")
     print(f"final loss: plain {plain['final_loss']:.4f}, ray {summary['final_loss']:.4f} (same batches)")
     print(f"measured per device: target {m['target_tokens_per_second_per_actor']:.0f} tokens/s per actor "
           f"(busy time), drafter {m['drafter_tokens_per_second_per_worker']:.0f} tokens/s per worker "
@@ -141,7 +135,7 @@ def main(argv=None) -> int:
     for s in cap["splits"]:
         print(f"  {s['target']} target + {s['drafter']} drafter: {s['tokens_per_second']:8.0f} tokens/s "
               f"({s['bottleneck']})")
-    return 0
+    return failed
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
-"""Directories that appear whole or not at all: written in a temporary sibling, swapped in on success."""
+"""Files and directories that appear whole or not at all: written in a temporary sibling, swapped in on
+success."""
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import uuid
@@ -34,3 +36,11 @@ class _AtomicDir:
         else:
             os.replace(self.tmp, self.final)
         return False
+
+
+def write_json_atomic(path: str | os.PathLike, obj) -> None:
+    """A JSON file that is whole or absent (written beside it, then renamed)."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp.write_text(json.dumps(obj, indent=2, default=str))
+    os.replace(tmp, path)

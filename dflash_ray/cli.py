@@ -1,8 +1,10 @@
-"""`dflash-ray <command> [flags] [overrides]` and `python -m dflash_ray.<command>`.
+"""`dflash-ray <command> [flags] [overrides]` (also `python -m dflash_ray <command>`): every command's
+handler, in one place. Each handler reads the composed config and calls the library; what it prints is
+decided here.
 
-Overrides use Hydra's grammar (`a.b=1`, `+new=1`, `++a.b=1`, `~a.b`, `group=option`). `--cfg job` prints
-the composed config and exits. Bad input or config: one line on stderr, exit code 2 (`--debug` shows
-the traceback).
+Overrides use Hydra's grammar (`a.b=1`, `++a.b=1`, `~a.b`, `group=option`, `+name=1` at the root).
+`--cfg job` prints the composed config and exits. Bad input or config: one line on stderr, exit code 2
+(`--debug` shows the traceback).
 """
 from __future__ import annotations
 
@@ -71,8 +73,6 @@ def run_command(cmd: str, argv: list[str]) -> int:
 
 def _dispatch(cmd: str, args) -> int:
     if cmd == "order-stats":
-        from dflash_ray.data.report import order_stats_command
-
         return order_stats_command(args)
     from dflash_ray.config import compose_config, to_yaml
 
@@ -84,41 +84,13 @@ def _dispatch(cmd: str, args) -> int:
     if args.cfg == "job":
         print(to_yaml(cfg), end="")
         return 0
-    if cmd == "prepare":
-        return _prepare(cfg, args)
-    if cmd == "plan":
-        from dflash_ray.data.report import plan_command
-
-        return plan_command(cfg, args, extras=_capacity_report())
-    if cmd == "train":
-        from dflash_ray.train import train_command
-
-        return train_command(cfg, args)
-    if cmd == "eval":
-        from dflash_ray.eval import eval_command
-
-        return eval_command(cfg, args)
-    if cmd == "export":
-        from dflash_ray.train import export_command
-
-        return export_command(cfg, args)
-    if cmd == "plot":
-        from dflash_ray.runtime.plots import plot_command
-
-        return plot_command(cfg, args)
-    raise AssertionError(cmd)
+    handler = {"prepare": prepare_command, "plan": plan_command, "train": train_command, "eval": eval_command,
+               "export": export_command, "plot": plot_command}[cmd]
+    return handler(cfg, args)
 
 
-def _capacity_report():
-    """The runtime's capacity model (GPU split) for the plan report; the data layer knows no runtime."""
-    try:
-        from dflash_ray.runtime.capacity import capacity_report
-    except ImportError:
-        return None
-    return capacity_report
-
-
-def _prepare(cfg, args) -> int:
+# ----------------------------------------------------------------------------- data
+def prepare_command(cfg, args) -> int:
     from dflash_ray.config import require
     from dflash_ray.data.prepare import prepare
 
@@ -136,6 +108,115 @@ def _prepare(cfg, args) -> int:
               f"({out['supervised_tokens']} supervised) in {out['shards']} shards -> {Path(out['output'])}")
         print(f"dropped: {dropped}")
     return 0
+
+
+def plan_command(cfg, args) -> int:
+    """The epoch plan of data.shards (sample_id and num_tokens only, unless --check), with the
+    runtime's capacity model (best target/drafter split) for the configured cluster."""
+    from dflash_ray.config import require
+    from dflash_ray.data.plan import plan_from_config
+    from dflash_ray.data.report import format_plan
+    from dflash_ray.data.shards import check_shards, write_table_atomic
+    from dflash_ray.runtime.capacity import capacity_report
+
+    if args.check:
+        check_shards(require(cfg, "data.shards"), cfg.data.vocab_size)
+    plan = plan_from_config(cfg)
+    summary = plan.summary()
+    capacity = capacity_report(cfg, summary)
+    if args.dump:
+        write_table_atomic(plan.to_arrow().drop_columns(["num_tokens"]), args.dump)
+    if args.json:
+        print(json.dumps({**summary, **{k: v for k, v in capacity.items() if k != "text"}}, indent=2))
+    else:
+        print(format_plan(summary))
+        for text in capacity["text"]:
+            print(text)
+        if args.dump:
+            print(f"plan written to {args.dump}")
+    return 0
+
+
+def order_stats_command(args) -> int:
+    """Order measures of the interleave strategies for given batch counts (no data needed)."""
+    import numpy as np
+
+    from dflash_ray.data.interleave import STRATEGIES, interleave_order, order_measures
+    from dflash_ray.data.report import compare_table, format_measures, plot_orders
+
+    try:
+        counts = [int(x) for x in args.counts.split(",")]
+    except ValueError as e:
+        raise UserError(f"--counts: expected comma-separated integers, got '{args.counts}'") from e
+    if not counts or min(counts) < 0:
+        raise UserError(f"--counts: expected non-negative integers, got '{args.counts}'")
+    if args.strategy not in STRATEGIES:
+        raise UserError(f"--strategy: unknown '{args.strategy}' (one of {', '.join(STRATEGIES)})")
+    names = list(STRATEGIES) if args.compare or args.plot else [args.strategy]
+    orders = {n: interleave_order(counts, strategy=n, seed=args.seed, epoch=args.epoch) for n in names}
+    measures = {n: order_measures(o, len(counts)) for n, o in orders.items()}
+    if args.dump_order:
+        Path(args.dump_order).parent.mkdir(parents=True, exist_ok=True)
+        np.save(args.dump_order, orders[args.strategy])
+    if args.plot:
+        plot_orders(orders, counts, args.plot)
+    if args.json:
+        print(json.dumps(measures if args.compare else measures[args.strategy], indent=2))
+    elif args.compare:
+        print(compare_table(measures))
+    else:
+        print(format_measures(measures[args.strategy], args.strategy))
+    return 0
+
+
+# ----------------------------------------------------------------------------- training
+def train_command(cfg, args) -> int:
+    from dflash_ray.train import main_job
+
+    quiet = bool(args.json)
+    log = (lambda *a, **k: print(*a, file=sys.stderr, **k)) if quiet else print
+    run_spec, summary = main_job(cfg, progress=not quiet, log=log, plan_log=log)
+    if quiet:
+        print(json.dumps(summary, indent=2, default=str))
+        return 0
+    led = summary["ledger"]
+    loss = "-" if summary["final_loss"] is None else f"{summary['final_loss']:.4f}"
+    print(f"trained {summary['steps']} steps, {summary['tokens']} tokens at "
+          f"{summary['tokens_per_second']:.0f} tokens/s; final loss {loss}; "
+          f"failures survived: {summary['failures_survived']}; ledger "
+          f"{'exactly-once' if led['ok'] else 'NOT OK: ' + json.dumps(led)}")
+    print(f"export: {summary['export']}")
+    print(f"run directory: {run_spec.run_dir}")
+    return 0
+
+
+def export_command(cfg, args) -> int:
+    """Export the latest checkpoint of a run (local or remote storage) to <run.dir>/export."""
+    from dflash_ray.runtime.checkpoint import export_checkpoint, latest_checkpoint_path
+    from dflash_ray.runtime.spec import resolve_spec
+
+    run_spec = resolve_spec(cfg, log=lambda *a, **k: None)
+    checkpoint = latest_checkpoint_path(run_spec.experiment_dir)
+    if checkpoint is None:
+        raise UserError(f"{run_spec.experiment_dir}: no checkpoint to export (train the run first)")
+    out = export_checkpoint(run_spec, checkpoint, str(Path(run_spec.run_dir) / "export"))
+    print(f"exported {checkpoint} -> {out}")
+    return 0
+
+
+def plot_command(cfg, args) -> int:
+    from dflash_ray.runtime.plots import plot_run
+
+    for p in plot_run(args.run_dir or cfg.run.dir):
+        print(p)
+    return 0
+
+
+# ----------------------------------------------------------------------------- evaluation
+def eval_command(cfg, args) -> int:
+    from dflash_ray.eval import eval_command as run_eval
+
+    return run_eval(cfg, args)
 
 
 if __name__ == "__main__":

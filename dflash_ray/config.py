@@ -1,8 +1,12 @@
 """Config: OmegaConf groups under conf/, composed with Hydra's compose API and override grammar,
 validated against typed dataclasses before anything else starts.
 
-Unknown keys (`a.typo=1`) and wrong types (`train.lr=abc`) raise UserError with one line that names the
-key and suggests the closest known one. `+new=1` adds a key on purpose and is kept.
+Every check of the config's own values lives here: unknown keys (`a.typo=1`), wrong types
+(`train.lr=abc`), choices, minimums and the rules between keys (bucket boundaries vs the batch budget,
+the flight window vs the batches of one step) raise UserError with one line that names the key (and the
+closest known one). The typed groups (model, data, cluster, train, ...) take no new keys: nothing would
+read them. `+name=value` adds a key at the root (for your own interpolations: `+corpus=/data
+data.shards=${corpus}/shards`).
 """
 from __future__ import annotations
 
@@ -14,7 +18,7 @@ from pathlib import Path
 from typing import Any, Dict, List, Optional
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
-from omegaconf.errors import OmegaConfBaseException
+from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
 from dflash_ray.errors import UserError
 
@@ -88,7 +92,6 @@ class TrainConfig:
     max_failures: int = 3
     storage_path: Optional[str] = None
     tensorboard: bool = False
-    log_every: int = 1
 
 
 @dataclass
@@ -187,6 +190,10 @@ def compose_config(overrides: List[str] | None = None) -> DictConfig:
     except OmegaConfBaseException as e:
         key = getattr(e, "full_key", None) or "?"
         msg = str(e).splitlines()[0]
+        if isinstance(e, ConfigKeyError):  # `+train.new_key=1`: a typed group has no place for it
+            raise UserError(f"unknown config key '{key}'{_closest(key, _known_keys())}: the group "
+                            f"'{key.split('.')[0]}' is typed and nothing would read a new key in it "
+                            f"(`+name=value` adds keys at the root only)") from e
         raise UserError(f"config key '{key}': {msg}") from e
     for key, allowed in CHOICES.items():
         value = OmegaConf.select(merged, key)
@@ -196,7 +203,20 @@ def compose_config(overrides: List[str] | None = None) -> DictConfig:
         value = OmegaConf.select(merged, key, default=None)
         if isinstance(value, (int, float)) and value < least:
             raise UserError(f"config key '{key}': must be >= {least}, got {value}")
+    _check_rules(merged)
     return merged  # `???` values stay missing; `require()` names them where they are needed
+
+
+def _check_rules(cfg: DictConfig) -> None:
+    """Rules between keys."""
+    from dflash_ray.data.plan import PlanSpec
+
+    PlanSpec.from_config(cfg)  # bucket boundaries ascending, the batch budget holds the longest bucket
+    c, t = cfg.cluster, cfg.train
+    per_step = int(c.drafter_workers) * int(t.grad_accum)
+    if int(c.max_batches_in_flight) < per_step:
+        raise UserError(f"config key 'cluster.max_batches_in_flight': {c.max_batches_in_flight} is less than "
+                        f"the {per_step} batches one optimizer step needs (drafter_workers x grad_accum)")
 
 
 def _explain_compose_error(e: Exception, overrides: List[str]) -> str:

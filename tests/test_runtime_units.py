@@ -14,7 +14,7 @@ from dflash_ray.data.plan import PlanSpec, build_plan
 from dflash_ray.runtime.capacity import best_split, capacity_report
 from dflash_ray.runtime.feed import FILLER, Cursor, build_feed, cursor_after, rank_rows
 from dflash_ray.runtime.ledger import read_jsonl, rewrite_jsonl, rollback, verify_ledger
-from dflash_ray.runtime.loop import batch_seed, lr_lambda
+from dflash_ray.runtime.step import batch_seed, lr_lambda
 
 
 def _plans(num_samples=300, seed=0):
@@ -243,7 +243,7 @@ def test_check_resources_names_what_the_cluster_lacks(ray_session):
     from types import SimpleNamespace
 
     from dflash_ray.errors import UserError
-    from dflash_ray.runtime.driver import check_resources
+    from dflash_ray.runtime.cluster import check_resources
 
     fits = SimpleNamespace(use_gpu=False, target_workers=1, drafter_workers=2, target_resource="target_slot")
     check_resources(fits)  # the shared test cluster: 4 CPUs, 2 target slots

@@ -1,13 +1,11 @@
-"""What the `plan` and `order-stats` commands print: tables, JSON, dumps and plots."""
+"""What the `plan` and `order-stats` commands print: tables and plots (the handlers are in cli.py)."""
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 
-from dflash_ray.data.interleave import STRATEGIES, interleave_order, order_measures
-from dflash_ray.errors import UserError
+from dflash_ray.data.interleave import order_measures
 
 
 def format_measures(m: dict, name: str = "") -> str:
@@ -39,62 +37,6 @@ def format_plan(s: dict) -> str:
     lines.append(f"padding efficiency (real / padded batch tokens): {s['padding_efficiency']:.4f}")
     lines.append(format_measures(s["order"]))
     return "\n".join(lines)
-
-
-def plan_command(cfg, args, extras=None) -> int:
-    """`extras(cfg, summary) -> {"text": [...], ...}` lets a higher layer add to the report."""
-    from dflash_ray.config import require
-    from dflash_ray.data.plan import plan_from_config
-    from dflash_ray.data.shards import check_shards, write_table_atomic
-
-    if args.check:
-        check_shards(require(cfg, "data.shards"), cfg.data.vocab_size)
-    plan = plan_from_config(cfg)
-    summary = plan.summary()
-    extra = extras(cfg, summary) if extras else {}
-    if args.dump:
-        write_table_atomic(plan.to_arrow().drop_columns(["num_tokens"]), args.dump)
-    if args.json:
-        print(json.dumps({**summary, **{k: v for k, v in extra.items() if k != "text"}}, indent=2))
-    else:
-        print(format_plan(summary))
-        for text in extra.get("text", []):
-            print(text)
-        if args.dump:
-            print(f"plan written to {args.dump}")
-    return 0
-
-
-def _parse_counts(text: str) -> list[int]:
-    try:
-        counts = [int(x) for x in text.split(",")]
-    except ValueError as e:
-        raise UserError(f"--counts: expected comma-separated integers, got '{text}'") from e
-    if not counts or min(counts) < 0:
-        raise UserError(f"--counts: expected non-negative integers, got '{text}'")
-    return counts
-
-
-def order_stats_command(args) -> int:
-    counts = _parse_counts(args.counts)
-    names = list(STRATEGIES) if args.compare or args.plot else [args.strategy]
-    if args.strategy not in STRATEGIES:
-        raise UserError(f"--strategy: unknown '{args.strategy}' (one of {', '.join(STRATEGIES)})")
-    orders = {n: interleave_order(counts, strategy=n, seed=args.seed, epoch=args.epoch) for n in names}
-    measures = {n: order_measures(o, len(counts)) for n, o in orders.items()}
-    if args.dump_order:
-        Path(args.dump_order).parent.mkdir(parents=True, exist_ok=True)
-        np.save(args.dump_order, orders[args.strategy])
-    if args.plot:
-        plot_orders(orders, counts, args.plot)
-    shown = names if args.compare else [args.strategy]
-    if args.json:
-        print(json.dumps(measures if args.compare else measures[args.strategy], indent=2))
-    elif args.compare:
-        print(compare_table({n: measures[n] for n in shown}))
-    else:
-        print(format_measures(measures[args.strategy], args.strategy))
-    return 0
 
 
 def compare_table(measures: dict) -> str:

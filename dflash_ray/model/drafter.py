@@ -10,6 +10,7 @@ Training runs up to `num_anchors` blocks per sample in one pass (mask rule in at
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -33,12 +34,17 @@ _TARGET_FIELDS = (
 )
 
 
-def _get(cfg, key, default=None):
-    """Read a key from a dict, an OmegaConf node or an object; missing or None -> default."""
-    if cfg is None:
-        return default
-    value = cfg.get(key, default) if hasattr(cfg, "get") else getattr(cfg, key, default)
-    return default if value is None else value
+@dataclass(frozen=True)
+class DrafterConfig:
+    """What a drafter is, beyond its target's shape. None fields are answered by rule when the drafter is
+    built: target_layer_ids by the reference formula, loss_gamma by the recipe's value for the block
+    size, mask_token_id by the last embedding row (the runtime resolves it from the tokenizer first)."""
+    num_draft_layers: int
+    block_size: int
+    num_anchors: int
+    target_layer_ids: tuple[int, ...] | None = None
+    loss_gamma: float | None = None
+    mask_token_id: int | None = None
 
 
 def drafter_config(target_hf_config, num_draft_layers: int, block_size: int, mask_token_id: int,
@@ -219,7 +225,7 @@ class DFlashDrafter(nn.Module):
             slot_correct=hit.sum((0, 1)),
             slot_count=sup.sum((0, 1)),
             prefix_correct=hit.long().cumprod(-1).sum((0, 1)),
-            num_blocks=sup[:, :, 0].sum(),
+            num_blocks=sup[:, :, -1].sum(),
         )
 
     def training_loss(self, input_ids, loss_mask, context, lengths, generator: torch.Generator) -> LossOutput:
@@ -260,26 +266,19 @@ class DFlashDrafter(nn.Module):
         return self.norm(x)
 
 
-def build_drafter(model_cfg, target_hf_config, embed_weight, head_weight, mask_token_id: int | None,
+def build_drafter(cfg: DrafterConfig, target_hf_config, embed_weight, head_weight, mask_token_id=None,
                   seed: int | None = None, attention_backend: str = "auto") -> DFlashDrafter:
-    """A fresh drafter for a target. model_cfg keys: num_draft_layers, target_layer_ids (None = reference
-    formula), block_size, num_anchors, loss_gamma (None = recipe default for the block size).
-    mask_token_id None: model_cfg.mask_token_id, else the last embedding row (see default_mask_token_id
-    to prefer the tokenizer's). seed: initialise under this seed without touching the global RNG."""
-    if mask_token_id is None:
-        mask_token_id = _get(model_cfg, "mask_token_id", None)
+    """A fresh drafter for a target. seed: initialise under this seed without touching the global RNG."""
+    if not isinstance(cfg, DrafterConfig):  # TRANSITION: dict configs of the model tests
+        cfg = DrafterConfig(**{k: v for k, v in dict(cfg).items() if k in DrafterConfig.__dataclass_fields__})
+    if mask_token_id is not None:
+        cfg = dataclasses.replace(cfg, mask_token_id=int(mask_token_id))
+    mask_token_id = cfg.mask_token_id
     if mask_token_id is None:
         mask_token_id = default_mask_token_id(embed_weight.shape[0])
-    config = drafter_config(
-        target_hf_config,
-        num_draft_layers=int(_get(model_cfg, "num_draft_layers", 5)),
-        block_size=int(_get(model_cfg, "block_size", 16)),
-        mask_token_id=int(mask_token_id),
-        target_layer_ids=_get(model_cfg, "target_layer_ids", None),
-    )
-    gamma = _get(model_cfg, "loss_gamma", None)
-    kwargs = dict(num_anchors=int(_get(model_cfg, "num_anchors", 512)),
-                  loss_gamma=None if gamma is None else float(gamma), attention_backend=attention_backend)
+    config = drafter_config(target_hf_config, num_draft_layers=cfg.num_draft_layers, block_size=cfg.block_size,
+                            mask_token_id=mask_token_id, target_layer_ids=cfg.target_layer_ids)
+    kwargs = dict(num_anchors=cfg.num_anchors, loss_gamma=cfg.loss_gamma, attention_backend=attention_backend)
     if seed is None:
         return DFlashDrafter(config, embed_weight, head_weight, **kwargs)
     with torch.random.fork_rng(devices=[]):

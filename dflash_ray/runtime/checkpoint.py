@@ -19,10 +19,12 @@ workers check that the two agree and fail loudly if they do not.
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pickle
 import random
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -110,35 +112,100 @@ def load_checkpoint(ckpt_dir: Path, *, drafter, optimizer, scheduler, rank: int)
     return Cursor.from_dict(meta["cursor"])
 
 
+def _filesystem(uri_or_path: str):
+    """(pyarrow filesystem, path inside it) for a local path or a URI (s3://, gs://, file://, ...)."""
+    import pyarrow.fs as pafs
+
+    if "://" in str(uri_or_path):
+        return pafs.FileSystem.from_uri(str(uri_or_path))
+    return pafs.LocalFileSystem(), str(Path(uri_or_path).resolve())
+
+
+def read_snapshot(experiment_dir: str) -> dict | None:
+    """Ray Train's record of the run's registered checkpoints (None before the first one), read through
+    pyarrow's filesystem layer so local paths, NFS and s3:// storage go the same way."""
+    fs, path = _filesystem(f"{str(experiment_dir).rstrip('/')}/{SNAPSHOT}")
+    try:
+        with fs.open_input_stream(path) as f:
+            return json.loads(f.read().decode())
+    except FileNotFoundError:
+        return None
+
+
 def latest_checkpoint_cursor(experiment_dir: str) -> Cursor:
     """The cursor of the latest checkpoint Ray Train has registered for this run (Cursor() if none).
-
-    Reads Ray Train's checkpoint-manager snapshot, which the controller rewrites whenever it registers a
-    checkpoint; our cursor travels in the metrics reported with it."""
-    path = Path(experiment_dir) / SNAPSHOT
-    if "://" in str(experiment_dir):
-        import pyarrow.fs as pafs
-
-        fs, p = pafs.FileSystem.from_uri(f"{experiment_dir.rstrip('/')}/{SNAPSHOT}")
-        try:
-            with fs.open_input_stream(p) as f:
-                text = f.read().decode()
-        except (FileNotFoundError, OSError):
-            return Cursor()
-    else:
-        if not path.exists():
-            return Cursor()
-        text = path.read_text()
-    snap = json.loads(text)
-    latest = snap.get("latest_checkpoint_result")
+    Our cursor travels in the metrics reported with the checkpoint."""
+    latest = (read_snapshot(experiment_dir) or {}).get("latest_checkpoint_result")
     if not latest:
         return Cursor()
     m = latest.get("metrics", {})
     if "cursor_epoch" not in m:
-        raise RuntimeError(f"{path}: the latest checkpoint has no cursor in its metrics "
+        raise RuntimeError(f"{experiment_dir}/{SNAPSHOT}: the latest checkpoint has no cursor in its metrics "
                            "(written by another program?)")
     return Cursor(int(m["cursor_epoch"]), int(m["cursor_position"]), int(m["cursor_step"]))
 
 
+def latest_checkpoint_path(experiment_dir: str) -> str | None:
+    """Where the latest registered checkpoint of the run lives (a local path or a URI), or None."""
+    latest = (read_snapshot(experiment_dir) or {}).get("latest_checkpoint_result")
+    if not latest:
+        return None
+    return f"{str(experiment_dir).rstrip('/')}/{latest['checkpoint_dir_name']}"
+
+
+@contextlib.contextmanager
+def local_checkpoint(checkpoint: str):
+    """A local directory holding the checkpoint: the directory itself, or a temporary copy of a remote
+    (URI) one, removed afterwards."""
+    if "://" not in str(checkpoint):
+        yield Path(checkpoint)
+        return
+    import pyarrow.fs as pafs
+
+    fs, path = _filesystem(checkpoint)
+    with tempfile.TemporaryDirectory(prefix="dflash-ckpt-") as tmp:
+        pafs.copy_files(path, tmp, source_filesystem=fs, destination_filesystem=pafs.LocalFileSystem())
+        yield Path(tmp)
+
+
 def cursor_metrics(cursor: Cursor) -> dict:
     return {"cursor_epoch": cursor.epoch, "cursor_position": cursor.position, "cursor_step": cursor.step}
+
+
+def checkpoint_due(step: int, every: int, *, last_step: bool, end_of_epoch: bool) -> bool:
+    """Checkpoint every `every` steps, at the end of every epoch (so a finished epoch is never retrained)
+    and after the last step of the run."""
+    return step % every == 0 or last_step or end_of_epoch
+
+
+def save_checkpoint(*, rank: int, world_size: int, drafter, optimizer, scheduler, cursor: Cursor, metrics: dict,
+                    before_register=None, extra: dict | None = None) -> None:
+    """Every rank calls this at the same step (`ray.train.report` is a barrier). Rank 0 writes the state,
+    the others their RNG; `before_register()` runs on rank 0 after its files are written and before
+    the checkpoint is handed to Ray Train (e.g. wait for the step's ledger lines)."""
+    import ray.train
+    from ray.train import Checkpoint
+
+    with tempfile.TemporaryDirectory(prefix="dflash-ckpt-") as tmp:
+        tmp = Path(tmp)
+        if rank == 0:
+            write_checkpoint(tmp, drafter=drafter, optimizer=optimizer, scheduler=scheduler, cursor=cursor,
+                             world_size=world_size, extra=extra)
+            if before_register is not None:
+                before_register()
+        else:
+            write_rank_files(tmp, rank)
+        ray.train.report({**cursor_metrics(cursor), **metrics}, checkpoint=Checkpoint.from_directory(str(tmp)))
+
+
+def export_checkpoint(run_spec, checkpoint: str, out_dir: str) -> str:
+    """Write the drafter of a checkpoint (a local path or a URI) as a Hugging Face directory the
+    reference `dflash` package loads."""
+    from dflash_ray.model.export import export_drafter
+    from dflash_ray.runtime.step import build_run_drafter
+
+    with local_checkpoint(checkpoint) as d:
+        read_state(d)
+        drafter = build_run_drafter(run_spec, torch.device("cpu"))
+        drafter.load_state_dict(load_weights(d), strict=True)
+    return export_drafter(drafter, out_dir)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import time
 from pathlib import Path
 
@@ -83,14 +82,15 @@ class RunCoordinator:
             self.tb = SummaryWriter(str(self.dir / "tensorboard"))
 
     # ------------------------------------------------------------ flight window
-    async def reset_feed(self, total_steps: int, cursor: dict, world: int, schedule_steps: int = 0) -> int:
+    async def reset_feed(self, total_steps: int, cursor: dict, batches_per_step: int, schedule_steps: int = 0) -> int:
         """A new Ray Data stream starts (first start or a restart): a new generation of row indices."""
         async with self.cond:
             self.gen += 1
             self.consumed, self.admitted = 0, -1
             self.total_steps = int(total_steps)
             self.feed = {"gen": self.gen, "total_steps": int(total_steps), "cursor": dict(cursor),
-                         "world": int(world), "schedule_steps": int(schedule_steps or total_steps)}
+                         "batches_per_step": int(batches_per_step),
+                         "schedule_steps": int(schedule_steps or total_steps)}
             self.cond.notify_all()
             self._mark(f"feed_{self.gen}")
             return self.gen
@@ -254,10 +254,3 @@ def last_metrics(run_dir) -> list[dict]:
         by_step[int(r["step"])] = r
     return [by_step[s] for s in sorted(by_step)]
 
-
-def pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-        return True
-    except OSError:
-        return False

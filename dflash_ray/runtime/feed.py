@@ -18,7 +18,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import pyarrow as pa
 
-FILLER = -1
+from dflash_ray.runtime.rows import FEED_LISTS, FEED_SCALARS, FILLER
 
 
 @dataclass(frozen=True)
@@ -40,8 +40,8 @@ class Cursor:
 @dataclass
 class Feed:
     cursor: Cursor
-    world: int
-    table: pa.Table             # index, epoch, position, epoch_batches, bucket, num_tokens, sample_ids, lengths
+    batches_per_step: int
+    table: pa.Table             # rows.FEED_COLUMNS, one row per plan batch (fillers included)
     steps: int                  # optimizer steps in this feed
     total_steps: int            # where this feed ends: cursor.step + steps (max_steps stops it early)
     epoch_steps: dict           # epoch -> steps that epoch has in this feed
@@ -52,36 +52,36 @@ class Feed:
         return self.table.num_rows
 
 
-def steps_in_epoch(num_batches: int, start: int, world: int) -> int:
-    return -(-(num_batches - start) // world) if num_batches > start else 0
+def steps_in_epoch(num_batches: int, start: int, batches_per_step: int) -> int:
+    return -(-(num_batches - start) // batches_per_step) if num_batches > start else 0
 
 
-def build_feed(plan_for_epoch, cursor: Cursor, world: int, epochs: int, max_steps: int | None) -> Feed:
+def build_feed(plan_for_epoch, cursor: Cursor, batches_per_step: int, epochs: int, max_steps: int | None) -> Feed:
     """plan_for_epoch(e) -> Plan. Rows of every remaining step, fillers included. `max_steps` stops the
     feed early; the LR schedule still spans every planned epoch (`schedule_steps`), so a run stopped
     early and resumed with a larger max_steps follows the same schedule as one that never stopped."""
-    if world < 1:
-        raise ValueError(f"world must be >= 1, got {world}")
+    if batches_per_step < 1:
+        raise ValueError(f"batches_per_step must be >= 1, got {batches_per_step}")
     budget = None if max_steps is None else max(0, int(max_steps) - cursor.step)
-    cols = {k: [] for k in ("epoch", "position", "epoch_batches", "bucket", "num_tokens")}
+    cols = {k: [] for k in FEED_SCALARS if k != "index"}
     sample_lists, length_lists, epoch_steps = [], [], {}
     steps, planned = 0, 0
     e, start = cursor.epoch, cursor.position
     while e < epochs:
         plan = plan_for_epoch(e)
         n = plan.num_batches
-        k = steps_in_epoch(n, start, world)
+        k = steps_in_epoch(n, start, batches_per_step)
         planned += k
         if budget is not None:
             k = max(0, min(k, budget - steps))
         if k > 0:
-            stop = min(n, start + k * world)
+            stop = min(n, start + k * batches_per_step)
             pos = np.arange(start, stop, dtype=np.int64)
-            fill = k * world - pos.size
+            fill = k * batches_per_step - pos.size
             tokens = plan.batch_tokens()
-            cols["epoch"].append(np.full(k * world, e, np.int64))
+            cols["epoch"].append(np.full(k * batches_per_step, e, np.int64))
             cols["position"].append(np.concatenate([pos, np.full(fill, FILLER, np.int64)]))
-            cols["epoch_batches"].append(np.full(k * world, n, np.int64))
+            cols["epoch_batches"].append(np.full(k * batches_per_step, n, np.int64))
             cols["bucket"].append(np.concatenate([plan.bucket[start:stop].astype(np.int64), np.full(fill, -1)]))
             cols["num_tokens"].append(np.concatenate([tokens[start:stop].astype(np.int64), np.zeros(fill, np.int64)]))
             for p in pos:
@@ -93,29 +93,25 @@ def build_feed(plan_for_epoch, cursor: Cursor, world: int, epochs: int, max_step
             epoch_steps[e] = k
             steps += k
         e, start = e + 1, 0
-    n_rows = steps * world
+    n_rows = steps * batches_per_step
 
     def cat(name):
         return np.concatenate(cols[name]) if cols[name] else np.zeros(0, np.int64)
 
     table = pa.table({
         "index": pa.array(np.arange(n_rows, dtype=np.int64)),
-        "epoch": pa.array(cat("epoch")),
-        "position": pa.array(cat("position")),
-        "epoch_batches": pa.array(cat("epoch_batches")),
-        "bucket": pa.array(cat("bucket")),
-        "num_tokens": pa.array(cat("num_tokens")),
-        "sample_ids": pa.array([x.tolist() for x in sample_lists], type=pa.list_(pa.int64())),
-        "lengths": pa.array([x.tolist() for x in length_lists], type=pa.list_(pa.int64())),
+        **{k: pa.array(cat(k)) for k in cols},
+        **{k: pa.array([x.tolist() for x in lists], type=pa.list_(pa.int64()))
+           for k, lists in zip(FEED_LISTS, (sample_lists, length_lists))},
     })
-    return Feed(cursor=cursor, world=world, table=table, steps=steps, total_steps=cursor.step + steps,
+    return Feed(cursor=cursor, batches_per_step=batches_per_step, table=table, steps=steps, total_steps=cursor.step + steps,
                 epoch_steps=epoch_steps, schedule_steps=cursor.step + planned)
 
 
-def rank_rows(step: int, world: int, workers: int, rank: int) -> list[int]:
+def rank_rows(step: int, batches_per_step: int, workers: int, rank: int) -> list[int]:
     """Feed row indices rank `rank` trains in step `step` (its accumulation micro-steps, in order)."""
-    accum = world // workers
-    return [step * world + a * workers + rank for a in range(accum)]
+    accum = batches_per_step // workers
+    return [step * batches_per_step + a * workers + rank for a in range(accum)]
 
 
 def cursor_after(epoch: int, positions, epoch_batches: int, step: int) -> Cursor:

@@ -57,20 +57,18 @@ def _has_torn_line(path) -> bool:
     return bool(data) and not data.endswith(b"\n")
 
 
-def verify_ledger(records: list[dict], plan_sizes: dict[int, int], finished_epochs=None) -> dict:
+def verify_ledger(records: list[dict], plan_sizes: dict[int, int], finished_epochs) -> dict:
     """Coverage of the ledger against the plans (epoch -> number of planned batches).
 
-    Returns {"ok", "steps", "duplicates", "missing" (per finished epoch), "steps_in_order"}; ok means no
-    (epoch, position) twice, every position of each finished epoch present, steps 1..n in order."""
+    ok means: no (epoch, position) twice, every position of each finished epoch present, steps 1..n in
+    order. Returns {"ok", "steps", "batches", "duplicates", "missing" (per finished epoch),
+    "steps_in_order", "finished_epochs"}."""
     seen = Counter()
     for r in records:
         for p in r["positions"]:
             if p >= 0:
                 seen[(int(r["epoch"]), int(p))] += 1
     dups = sorted(k for k, c in seen.items() if c > 1)
-    if finished_epochs is None:
-        finished_epochs = [e for e, n in plan_sizes.items() if any(k[0] == e for k in seen)
-                           and sum(1 for k in seen if k[0] == e) >= n]
     missing = {}
     for e in finished_epochs:
         miss = [p for p in range(plan_sizes[e]) if seen[(e, p)] == 0]

@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-FEATURE_DTYPES = {"float32": np.float32, "bfloat16": np.int16, "float16": np.float16}
+from dflash_ray.runtime.rows import FEED_COLUMNS, FEED_SCALARS, encode_features, token_row
 
 
 class _Ref:
@@ -92,22 +92,15 @@ def join_tokens(batch: dict, *, feed: _Ref, tokens: _Ref, coordinator: str, name
         _CACHE[key] = ray.get_actor(coordinator, namespace=namespace)
     ray.get(_CACHE[key].admit.remote(gen, index))
     table = _get(feed)
-    row = {k: table.column(k)[index].as_py() for k in ("index", "epoch", "position", "epoch_batches",
-                                                       "bucket", "num_tokens", "sample_ids", "lengths")}
-    if row["position"] < 0:  # filler: pads an epoch's last step to W batches; trains nothing
+    row = {k: table.column(k)[index].as_py() for k in FEED_COLUMNS}
+    if row["position"] < 0:  # filler: pads an epoch's last step to a full step; trains nothing
         n = 2 * block_size + 2
         ids, mask, lengths = np.full((1, n), pad_id, np.int32), np.ones((1, n), np.int8), np.array([n])
     else:
         store = TokenStore(**_get(tokens))
         lengths = np.asarray(row["lengths"], np.int64)
         ids, mask = store.batch(np.asarray(row["sample_ids"], np.int64), lengths, pad_id)
-    out = {k: np.array([row[k]], np.int64) for k in ("index", "epoch", "position", "epoch_batches", "bucket",
-                                                     "num_tokens")}
-    out["gen"] = np.array([gen], np.int64)
-    out["input_ids"] = ids[None]
-    out["loss_mask"] = mask[None]
-    out["lengths"] = lengths.astype(np.int32)[None]
-    return out
+    return token_row({k: row[k] for k in FEED_SCALARS}, gen, ids, mask, lengths)
 
 
 class TargetForward:
@@ -135,41 +128,17 @@ class TargetForward:
 
         t0 = time.perf_counter()
         lengths = torch.from_numpy(batch["lengths"][0].astype(np.int64))
-        if int(batch["position"][0]) < 0:
+        if int(batch["position"][0]) < 0:  # a filler: zeros of the right shape, no forward
             width = self.extract.hidden_size * len(self.extract.layer_ids)
-            feats = np.zeros((1,) + batch["input_ids"].shape[1:] + (width,), np.float32)
-            dtype = "float32"
+            feats, dtype = np.zeros(batch["input_ids"].shape[1:] + (width,), np.float32), "float32"
         else:
             ids = torch.from_numpy(batch["input_ids"][0].astype(np.int64)).to(self.device)
             attn = (torch.arange(ids.shape[1])[None] < lengths[:, None]).long().to(self.device)
-            out = self.extract(ids, attn)
-            if out.dtype == torch.bfloat16:  # numpy has no bf16: ship the bits
-                feats, dtype = out.view(torch.int16).cpu().numpy()[None], "bfloat16"
-            else:
-                feats, dtype = out.float().cpu().numpy()[None], "float32"
-            if self.device.type == "cuda":
-                torch.cuda.synchronize()
-        busy = time.perf_counter() - t0
-        self.coord.target_batch.remote(self.key, busy, int(batch["num_tokens"][0]))
-        batch["context"] = feats
+            feats, dtype = encode_features(self.extract(ids, attn))  # .cpu() waits for the GPU
+        self.coord.target_batch.remote(self.key, time.perf_counter() - t0, int(batch["num_tokens"][0]))
+        batch["context"] = feats[None]
         batch["context_dtype"] = np.array([dtype])
-        batch["target_actor"] = np.array([self.key])
-        batch["target_seconds"] = np.array([busy])
         return batch
-
-
-def context_tensor(batch: dict):
-    import torch
-
-    import warnings
-
-    arr = batch["context"][0]
-    with warnings.catch_warnings():  # a read-only view of the object store: we never write to it
-        warnings.simplefilter("ignore", UserWarning)
-        t = torch.from_numpy(np.ascontiguousarray(arr))
-    if str(batch["context_dtype"][0]) == "bfloat16":
-        t = t.view(torch.bfloat16)
-    return t
 
 
 class DatasetFactory:
@@ -184,26 +153,26 @@ class DatasetFactory:
     def feed(self):
         from dflash_ray.runtime.checkpoint import latest_checkpoint_cursor
         from dflash_ray.runtime.feed import build_feed
-        from dflash_ray.runtime.spec import build_plan_for
 
+        s = self.spec
         cursor = latest_checkpoint_cursor(self.experiment_dir)
         plans = {}
 
         def plan_for(e):
             if e not in plans:
-                plans[e] = build_plan_for(self.spec.plan_cfg, e)
+                plans[e] = s.build_plan(e)
             return plans[e]
 
-        return build_feed(plan_for, cursor, self.spec.world, self.spec.epochs, self.spec.max_steps)
+        return build_feed(plan_for, cursor, s.batches_per_step, s.train.epochs, s.train.max_steps)
 
     def __call__(self):
         import ray
         from ray.data import ActorPoolStrategy
 
-        s = self.spec
+        s, c = self.spec, self.spec.cluster
         feed = self.feed()
         coord = ray.get_actor(s.coordinator, namespace=s.namespace)
-        gen = ray.get(coord.reset_feed.remote(feed.total_steps, feed.cursor.as_dict(), s.world,
+        gen = ray.get(coord.reset_feed.remote(feed.total_steps, feed.cursor.as_dict(), s.batches_per_step,
                                              feed.schedule_steps))
         feed_ref = ray.put(feed.table)
         n = max(feed.num_rows, 1)
@@ -213,14 +182,13 @@ class DatasetFactory:
         ds = ds.map_batches(
             join_tokens, batch_size=1, num_cpus=0.25, concurrency=2,
             fn_kwargs=dict(feed=_Ref(feed_ref), tokens=self.tokens, coordinator=s.coordinator,
-                           namespace=s.namespace, gen=gen, pad_id=s.pad_token_id,
-                           block_size=int(s.model_cfg["block_size"])))
-        if s.use_gpu:
+                           namespace=s.namespace, gen=gen, pad_id=s.pad_token_id, block_size=s.drafter.block_size))
+        if c.use_gpu:
             res = dict(num_gpus=1, num_cpus=1)
         else:
-            res = dict(num_cpus=0.5, resources={s.target_resource: 1})
+            res = dict(num_cpus=0.5, resources={c.target_resource: 1})
         return ds.map_batches(
-            TargetForward, batch_size=1, compute=ActorPoolStrategy(size=s.target_workers),
-            fn_constructor_kwargs=dict(target_path=s.target_path, layer_ids=s.target_layer_ids,
-                                       use_gpu=s.use_gpu, coordinator=s.coordinator, namespace=s.namespace),
+            TargetForward, batch_size=1, compute=ActorPoolStrategy(size=c.target_workers),
+            fn_constructor_kwargs=dict(target_path=s.target_path, layer_ids=list(s.drafter.target_layer_ids),
+                                       use_gpu=c.use_gpu, coordinator=s.coordinator, namespace=s.namespace),
             **res)

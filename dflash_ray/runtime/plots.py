@@ -80,10 +80,3 @@ def plot_run(run_dir, out_dir=None) -> list[Path]:
         fig.savefig(paths[-1], dpi=100)
         plt.close(fig)
     return paths
-
-
-def plot_command(cfg, args) -> int:
-    run_dir = getattr(args, "run_dir", None) or cfg.run.dir
-    for p in plot_run(run_dir):
-        print(p)
-    return 0

@@ -1,0 +1,80 @@
+"""The run's place on a Ray cluster: connect to one (or start a local one), check it can hold the run,
+and start the run's coordinator actor on the driver's node."""
+from __future__ import annotations
+
+import contextlib
+import os
+
+from dflash_ray.errors import UserError
+
+STATE_TRACKING = {"RAY_TRAIN_ENABLE_STATE_TRACKING": "1"}   # the dashboard's Train view
+
+
+@contextlib.contextmanager
+def ray_cluster(cluster, log=print):
+    """Connect to cluster.address / $RAY_ADDRESS, or start a local Ray (shut down again on exit).
+    `cluster` is the typed cluster config."""
+    import ray
+
+    os.environ.update(STATE_TRACKING)  # a local Ray inherits it
+    if ray.is_initialized():
+        yield
+        return
+    runtime_env = {"env_vars": dict(STATE_TRACKING)}
+    address = cluster.address
+    if address in (None, "auto") and os.environ.get("RAY_ADDRESS"):
+        address = os.environ["RAY_ADDRESS"]  # inside `ray job submit`, or set by the user
+    if address:
+        in_job = "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ  # the job's runtime_env applies (jobs/)
+        ray.init(address=address, runtime_env=None if in_job else runtime_env, log_to_driver=True)
+        log(f"connected to Ray at {address}")
+        yield
+        return
+    resources = {} if cluster.use_gpu else {cluster.target_resource: float(cluster.target_workers)}
+    ray.init(num_cpus=cluster.num_cpus, object_store_memory=cluster.object_store_memory, resources=resources,
+             runtime_env=runtime_env, log_to_driver=False)
+    log(f"started a local Ray ({cluster.num_cpus} CPUs, resources {resources or 'GPUs'})")
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def check_resources(cluster) -> None:
+    """Fail before training when the cluster cannot place the actors (rather than hanging)."""
+    import ray
+
+    total = ray.cluster_resources()
+    c = cluster
+    if c.use_gpu:
+        need = c.target_workers + c.drafter_workers
+        if total.get("GPU", 0) < need:
+            raise UserError(f"cluster has {total.get('GPU', 0):g} GPUs but cluster.target_workers + "
+                            f"cluster.drafter_workers = {need}")
+    elif total.get(c.target_resource, 0) < c.target_workers:
+        raise UserError(f"cluster has {total.get(c.target_resource, 0):g} of resource '{c.target_resource}' "
+                        f"but cluster.target_workers = {c.target_workers} (start Ray with "
+                        f"--resources '{{\"{c.target_resource}\": {c.target_workers}}}')")
+    # trainers take 1 CPU each, target actors 1 (GPU) or 0.5 (CPU), a token-join task 0.25
+    need_cpu = c.drafter_workers + c.target_workers * (1 if c.use_gpu else 0.5) + 0.25
+    if total.get("CPU", 0) < need_cpu:
+        raise UserError(f"cluster has {total.get('CPU', 0):g} CPUs but cluster.drafter_workers = "
+                        f"{c.drafter_workers} and cluster.target_workers = {c.target_workers} need "
+                        f"{need_cpu:g} (on one machine, raise cluster.num_cpus: oversubscribing is fine)")
+
+
+def start_coordinator(run_spec, num_buckets: int):
+    """The run's RunCoordinator, pinned to the driver's node (it writes the ledger there)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from dflash_ray.runtime.coordinator import RunCoordinator
+
+    node = ray.get_runtime_context().get_node_id()
+    actor = ray.remote(RunCoordinator).options(
+        name=run_spec.coordinator, namespace=run_spec.namespace, num_cpus=0, max_concurrency=1000,
+        scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
+    ).remote(run_spec.run_dir, run_spec.name, run_spec.cluster.max_batches_in_flight, num_buckets,
+             run_spec.train.tensorboard)
+    ray.get(actor.progress.remote())
+    return actor

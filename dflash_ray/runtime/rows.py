@@ -1,0 +1,98 @@
+"""The stream's row schema, defined once: what a feed row carries, what the token join adds, what the
+target actor adds, and what a trainer reads back. One Ray Data row = one plan batch (batch_size=1 in
+every stage, so every column holds a leading axis of length 1).
+
+    feed row (feed.py)    index, epoch, position, epoch_batches, bucket, num_tokens, sample_ids, lengths
+    after join_tokens     FEED_SCALARS + gen, input_ids [1,rows,width], loss_mask, lengths [1,rows]
+    after TargetForward   + context [1,rows,width,features] and context_dtype (see encode_features)
+
+Pure numpy on the encoding side; torch only where a trainer decodes a row (imported lazily), so the
+feed and the Ray Data stages need no torch import of their own.
+"""
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+
+# per-row scalars that travel from the feed table to the trainer unchanged
+FEED_SCALARS = ("index", "epoch", "position", "epoch_batches", "bucket", "num_tokens")
+# the feed table's list columns: the plan batch's samples and their (possibly truncated) lengths
+FEED_LISTS = ("sample_ids", "lengths")
+FEED_COLUMNS = FEED_SCALARS + FEED_LISTS
+FILLER = -1   # `position` of a filler row: pads an epoch's last step to a full step, trains nothing
+
+
+def token_row(scalars: dict, gen: int, input_ids: np.ndarray, loss_mask: np.ndarray,
+              lengths: np.ndarray) -> dict:
+    """The join stage's output for one feed row: its scalars, the stream generation and the padded
+    tokens (input_ids int32, loss_mask int8, lengths int32; one row per sample)."""
+    out = {k: np.array([scalars[k]], np.int64) for k in FEED_SCALARS}
+    out["gen"] = np.array([gen], np.int64)
+    out["input_ids"] = input_ids[None]
+    out["loss_mask"] = loss_mask[None]
+    out["lengths"] = np.asarray(lengths).astype(np.int32)[None]
+    return out
+
+
+def encode_features(features) -> tuple[np.ndarray, str]:
+    """A torch tensor of context features -> (numpy array, dtype name). numpy has no bfloat16: bf16
+    features ship as their bits in int16 (half the bytes of fp32), decoded by `decode_features`."""
+    import torch
+
+    if features.dtype == torch.bfloat16:
+        return features.view(torch.int16).cpu().numpy(), "bfloat16"
+    return features.float().cpu().numpy(), "float32"
+
+
+def decode_features(array: np.ndarray, dtype: str):
+    """The inverse of `encode_features`: a torch tensor (bf16 restored from its int16 bits)."""
+    import torch
+
+    with warnings.catch_warnings():  # a read-only view of the object store: we never write to it
+        warnings.simplefilter("ignore", UserWarning)
+        t = torch.from_numpy(np.ascontiguousarray(array))
+    if dtype == "bfloat16":
+        t = t.view(torch.bfloat16)
+    elif dtype != "float32":
+        raise ValueError(f"unknown feature encoding {dtype!r}")
+    return t
+
+
+@dataclass
+class TrainRow:
+    """One plan batch as a trainer receives it (decoded from a Ray Data row)."""
+    index: int            # feed row index: the trainer checks it is the row `rank_rows` assigns
+    gen: int              # stream generation: a restarted stream gets a new one
+    epoch: int
+    position: int         # plan position in the epoch (FILLER for a filler row)
+    epoch_batches: int
+    bucket: int
+    num_tokens: int       # real (unpadded) tokens
+    input_ids: np.ndarray     # [rows, width] int32, right-padded
+    loss_mask: np.ndarray     # [rows, width] int8
+    lengths: np.ndarray       # [rows] int32
+    context: np.ndarray       # [rows, width, features], encoded (see context_dtype)
+    context_dtype: str
+
+    @property
+    def is_filler(self) -> bool:
+        return self.position == FILLER
+
+    @classmethod
+    def from_batch(cls, batch: dict) -> "TrainRow":
+        """A one-row numpy batch from `iter_batches(batch_size=1, batch_format="numpy")`."""
+        return cls(**{k: int(batch[k][0]) for k in FEED_SCALARS}, gen=int(batch["gen"][0]),
+                   input_ids=batch["input_ids"][0], loss_mask=batch["loss_mask"][0],
+                   lengths=batch["lengths"][0], context=batch["context"][0],
+                   context_dtype=str(batch["context_dtype"][0]))
+
+    def tensors(self, device):
+        """(input_ids, loss_mask, context, lengths) as torch tensors on `device`."""
+        import torch
+
+        ids = torch.from_numpy(self.input_ids.astype(np.int64)).to(device)
+        mask = torch.from_numpy(self.loss_mask.astype(np.int64)).to(device)
+        lengths = torch.from_numpy(self.lengths.astype(np.int64)).to(device)
+        return ids, mask, decode_features(self.context, self.context_dtype).to(device), lengths

@@ -1,0 +1,191 @@
+"""One optimizer step of the drafter, without Ray: the math every trainer (and the plain benchmark loop)
+runs, so it can be read and tested in one process.
+
+A step trains W = workers x grad_accum consecutive plan batches; rank r trains micro-batches
+a = 0..grad_accum-1 (feed.rank_rows). The loss of the step is
+
+    sum(loss_sum) / sum(weight_sum)   over every rank and micro-batch,
+
+so batches weigh exactly by their supervised slots whatever their size: each micro-batch backpropagates
+its un-normalised loss_sum (times the number of workers, which DDP's gradient averaging divides away),
+then the step's stats are all-reduced once and the gradients divided by the global weight sum before
+clipping. `StepStats` is the one vector that all-reduce carries.
+"""
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+from dflash_ray.runtime.rows import FILLER, TrainRow
+
+
+def lr_lambda(total_steps: int, warmup_ratio: float):
+    """Linear warmup over warmup_ratio of the steps, then cosine decay to zero."""
+    warm = max(1, round(warmup_ratio * total_steps)) if warmup_ratio > 0 else 0
+
+    def f(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        span = max(1, total_steps - warm)
+        progress = min(1.0, (step - warm) / span)
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return f
+
+
+def batch_seed(seed: int, epoch: int, position: int) -> int:
+    """The anchor-sampling seed of one plan batch: the same whichever rank trains it, whenever."""
+    return int(np.random.SeedSequence([int(seed), int(epoch), int(position), 7]).generate_state(1)[0])
+
+
+class LossModule(nn.Module):
+    """What DDP wraps: forward = the drafter's training loss (DDP's hooks fire only on forward)."""
+
+    def __init__(self, drafter):
+        super().__init__()
+        self.drafter = drafter
+        # the frozen target embedding/head are buffers: never broadcast them
+        self._ddp_params_and_buffers_to_ignore = ["drafter.embed_weight", "drafter.lm_head_weight"]
+
+    def forward(self, input_ids, loss_mask, context, lengths, generator):
+        out = self.drafter.training_loss(input_ids, loss_mask, context, lengths, generator)
+        return out.loss_sum, out.weight_sum, out.slot_correct, out.slot_count
+
+
+def build_run_drafter(run_spec, device):
+    """The run's drafter on `device`: the target's frozen embedding/head, the run's drafter config,
+    initialised under the run's seed (so every rank and every export starts from the same weights)."""
+    from transformers import AutoConfig
+
+    from dflash_ray.model.drafter import build_drafter
+    from dflash_ray.model.target import load_embed_and_head
+
+    embed, head = load_embed_and_head(run_spec.target_path)
+    e = embed.to(device)
+    h = e if head is embed else head.to(device)
+    target_config = AutoConfig.from_pretrained(run_spec.target_path)
+    return build_drafter(run_spec.drafter, target_config, e, h, seed=run_spec.seed).to(device)
+
+
+def make_optimizer(train, drafter, schedule_steps: int):
+    """AdamW over the drafter's trainable parameters with warmup + cosine over `schedule_steps`.
+    `train` is the typed train config (lr, weight_decay, warmup_ratio)."""
+    opt = torch.optim.AdamW(drafter.trainable_parameters(), lr=train.lr, weight_decay=train.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(schedule_steps, train.warmup_ratio))
+    return opt, sched
+
+
+@dataclass
+class StepStats:
+    """What one step adds up over ranks and micro-batches, packed into one float64 vector for one
+    all-reduce. Batch j of the step (j = micro_step x workers + rank) is written by exactly one rank,
+    so summing the per-batch rows over ranks assembles them."""
+    loss_sum: float
+    weight_sum: float
+    tokens: float
+    slot_correct: np.ndarray   # [block_size - 1]
+    slot_count: np.ndarray     # [block_size - 1]
+    batch_position: np.ndarray  # [W] plan position of batch j (FILLER for a filler)
+    batch_bucket: np.ndarray   # [W] (FILLER for a filler)
+    batch_tokens: np.ndarray   # [W] real tokens (0 for a filler)
+    batch_epoch: np.ndarray    # [W]
+
+    @classmethod
+    def zeros(cls, block_size: int, batches_per_step: int) -> "StepStats":
+        slots, w = block_size - 1, batches_per_step
+        return cls(0.0, 0.0, 0.0, np.zeros(slots), np.zeros(slots), np.full(w, FILLER, np.int64),
+                   np.full(w, FILLER, np.int64), np.zeros(w, np.int64), np.full(w, FILLER, np.int64))
+
+    def pack(self) -> torch.Tensor:
+        # per-batch columns are stored +1: another rank's batch (all FILLER here) packs to zeros and
+        # adds nothing to the sum over ranks
+        per_batch = np.stack([self.batch_position + 1, self.batch_bucket + 1, self.batch_tokens,
+                              self.batch_epoch + 1], axis=1)
+        return torch.from_numpy(np.concatenate([[self.loss_sum, self.weight_sum, self.tokens], self.slot_correct,
+                                                self.slot_count, per_batch.reshape(-1)]).astype(np.float64))
+
+    @classmethod
+    def unpack(cls, vector: torch.Tensor, block_size: int, batches_per_step: int) -> "StepStats":
+        v = vector.detach().cpu().numpy().astype(np.float64)
+        slots = block_size - 1
+        head = 3 + 2 * slots
+        per_batch = v[head:].reshape(batches_per_step, 4).round().astype(np.int64)
+        return cls(float(v[0]), float(v[1]), float(v[2]), v[3:3 + slots], v[3 + slots:head],
+                   per_batch[:, 0] - 1, per_batch[:, 1] - 1, per_batch[:, 2], per_batch[:, 3] - 1)
+
+
+@dataclass
+class StepResult:
+    """One optimizer step, as every rank sees it after the all-reduce."""
+    loss: float                 # sum(loss_sum) / sum(weight_sum)
+    weight_sum: float
+    tokens: int                 # real tokens of the step's batches
+    slot_accuracy: list         # per block slot 1..B-1
+    grad_norm: float            # before clipping (0 when clipping is off)
+    lr: float                   # the learning rate this step used
+    epoch: int
+    positions: list             # plan position of each batch j (FILLER for fillers)
+    buckets: list
+    batch_tokens: list
+
+
+def train_step(model, drafter, optimizer, scheduler, rows: list[TrainRow], *, rank: int, workers: int,
+               batches_per_step: int, seed: int, grad_clip: float, device,
+               autocast=contextlib.nullcontext, all_reduce=None) -> StepResult:
+    """Forward/backward of this rank's micro-batches `rows`, one all-reduce of the step's stats
+    (`all_reduce(tensor)`, in place, sum; None in a single process), then one optimizer update.
+
+    `model` is what the forward runs through (DDP over a LossModule, or the LossModule itself);
+    `drafter` owns the trainable parameters. A filler row trains nothing: it is skipped, except as the
+    last micro-batch, where it runs forward/backward with its loss times 0 so DDP's collective happens."""
+    block_size = drafter.block_size
+    stats = StepStats.zeros(block_size, batches_per_step)
+    last = len(rows) - 1
+    for a, row in enumerate(rows):
+        j = a * workers + rank
+        stats.batch_epoch[j] = row.epoch
+        if row.is_filler and a != last:
+            continue  # nothing to train, and no collective happens in a no_sync micro-step
+        no_sync = getattr(model, "no_sync", None)
+        sync = no_sync() if (a != last and no_sync is not None) else contextlib.nullcontext()
+        ids, mask, context, lengths = row.tensors(device)
+        generator = torch.Generator().manual_seed(batch_seed(seed, row.epoch, max(row.position, 0)))
+        with sync:
+            with autocast():
+                loss_sum, weight_sum, correct, count = model(ids, mask, context, lengths, generator)
+            (loss_sum * (0.0 if row.is_filler else float(workers))).backward()
+        if row.is_filler:
+            continue
+        stats.loss_sum += float(loss_sum.detach())
+        stats.weight_sum += float(weight_sum)
+        stats.tokens += row.num_tokens
+        stats.slot_correct += correct.double().cpu().numpy()
+        stats.slot_count += count.double().cpu().numpy()
+        stats.batch_position[j], stats.batch_bucket[j], stats.batch_tokens[j] = row.position, row.bucket, row.num_tokens
+
+    vector = stats.pack()
+    if all_reduce is not None:
+        all_reduce(vector)
+    total = StepStats.unpack(vector, block_size, batches_per_step)
+
+    params = drafter.trainable_parameters()
+    if total.weight_sum > 0:
+        for p in params:
+            if p.grad is not None:
+                p.grad.div_(total.weight_sum)
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, grad_clip)) if grad_clip > 0 else 0.0
+    lr = scheduler.get_last_lr()[0]
+    if total.weight_sum > 0:  # a step of fillers only (cannot happen in a feed; kept safe) moves nothing
+        optimizer.step()
+    scheduler.step()
+    optimizer.zero_grad(set_to_none=True)
+    return StepResult(
+        loss=total.loss_sum / max(total.weight_sum, 1e-12), weight_sum=total.weight_sum, tokens=int(total.tokens),
+        slot_accuracy=(total.slot_correct / np.maximum(total.slot_count, 1)).tolist(), grad_norm=grad_norm, lr=lr,
+        epoch=int(total.batch_epoch.max()), positions=total.batch_position.tolist(),
+        buckets=total.batch_bucket.tolist(), batch_tokens=total.batch_tokens.tolist())

@@ -1,0 +1,76 @@
+"""summary.json: what a run did, from the files it left (ledger, metrics) and the coordinator's report.
+
+The ledger check takes the finished epochs from the latest checkpoint's cursor: every epoch before the
+cursor's was trained to its end, so the ledger must cover each of them exactly once (even an epoch the
+ledger lacks entirely)."""
+from __future__ import annotations
+
+from dataclasses import asdict
+from pathlib import Path
+
+import numpy as np
+
+from dflash_ray.runtime.checkpoint import latest_checkpoint_cursor, latest_checkpoint_path
+from dflash_ray.runtime.coordinator import last_metrics
+from dflash_ray.runtime.ledger import LEDGER, read_jsonl, verify_ledger
+
+
+def build_summary(run_spec, plan_summary: dict, report: dict, *, started: float, wall_seconds: float) -> dict:
+    metrics = last_metrics(run_spec.run_dir)
+    ledger = read_jsonl(Path(run_spec.run_dir) / LEDGER)
+    finished = list(range(latest_checkpoint_cursor(run_spec.experiment_dir).epoch))
+    epochs = sorted({int(r["epoch"]) for r in ledger} | set(finished))
+    check = verify_ledger(ledger, plan_sizes(run_spec, epochs), finished_epochs=finished)
+    now = [m for m in metrics if m.get("time", 0) >= started]   # steps trained by this invocation
+    base = now or metrics                                      # (a rerun of a finished run trains none)
+    steady = base[1:]
+    span = (steady[-1]["time"] - base[0]["time"]) if steady else 0.0
+    tps = sum(int(m["tokens"]) for m in steady) / span if span > 0 else 0.0
+    tokens_now = sum(int(m["tokens"]) for m in now)
+    c = run_spec.cluster
+    return {
+        "run": run_spec.name, "run_dir": run_spec.run_dir,
+        "steps": int(metrics[-1]["step"]) if metrics else 0,
+        "epochs": sorted({int(m["epoch"]) for m in metrics}),
+        "epochs_finished": finished,
+        "tokens": sum(int(m["tokens"]) for m in metrics), "tokens_per_second": tps, "wall_seconds": wall_seconds,
+        "tokens_this_invocation": tokens_now,
+        "end_to_end_tokens_per_second": tokens_now / wall_seconds if wall_seconds > 0 else 0.0,
+        "final_loss": metrics[-1]["loss"] if metrics else None,
+        "final_acceptance_length": metrics[-1].get("acceptance_length") if metrics else None,
+        "plan": {k: plan_summary.get(k) for k in ("batches", "tokens", "padding_efficiency", "strategy", "order")},
+        "batches_per_step": run_spec.batches_per_step, "drafter_workers": c.drafter_workers,
+        "target_workers": c.target_workers,
+        "failures_survived": report["failures_survived"], "trainer_restarts": report["trainer_restarts"],
+        "target_restarts": report["target_restarts"], "rolled_back_steps": report["rolled_back_steps"],
+        "max_batches_in_flight": report["max_batches_in_flight"], "flight_window": report["window"],
+        "target_actors": report["targets"], "checkpoints": report["checkpoints"],
+        "timeline_seconds": report.get("timeline", {}),
+        "measured": measured_rates(report["targets"], metrics, c.drafter_workers),
+        "model": asdict(run_spec.drafter),
+        "target_path": run_spec.target_path, "use_gpu": c.use_gpu,
+        "checkpoint": latest_checkpoint_path(run_spec.experiment_dir), "ledger": check,
+        "export": str(Path(run_spec.run_dir) / "export"),
+    }
+
+
+def measured_rates(targets: dict, metrics: list, drafter_workers: int) -> dict:
+    """Per-device rates for the capacity model: target tokens per busy second of an actor, drafter tokens
+    per compute second of a worker (median over steps; data waits excluded)."""
+    busy = sum(t["busy_s"] for t in targets.values())
+    tokens = sum(t.get("tokens", 0) for t in targets.values())
+    per_worker = [m["tokens"] / drafter_workers / m["compute_seconds"] for m in metrics[1:]
+                  if m.get("compute_seconds")]
+    waits = [m.get("wait_seconds", 0.0) for m in metrics[1:]]
+    steps = [m.get("step_seconds", 0.0) for m in metrics[1:]]
+    return {"target_tokens_per_second_per_actor": tokens / busy if busy > 0 else None,
+            "drafter_tokens_per_second_per_worker": float(np.median(per_worker)) if per_worker else None,
+            "trainer_wait_fraction": float(sum(waits) / sum(steps)) if sum(steps) > 0 else None}
+
+
+def plan_sizes(run_spec, epochs) -> dict:
+    """Planned batches of each epoch (the shards' lengths read once)."""
+    from dflash_ray.data.shards import read_lengths
+
+    lengths = read_lengths(run_spec.shards)[:2]
+    return {e: run_spec.build_plan(e, lengths=lengths).num_batches for e in epochs}
