@@ -85,14 +85,25 @@ def tiny_data(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_plan_batches(tiny_data):
+    """Planned batches of epochs 0 and 1 of the tiny data under RUNTIME_RUN: the inputs from which the
+    runtime tests derive their expected steps, rows and cursors (W = 2 drafter workers x 1)."""
+    from dflash_ray.config import compose_config
+    from dflash_ray.data.plan import plan_from_config
+
+    cfg = compose_config([*tiny_data, *RUNTIME_RUN])
+    return [plan_from_config(cfg, epoch=e).num_batches for e in (0, 1)]
+
+
+@pytest.fixture(scope="session")
 def train_run(ray_session, tiny_data, tmp_path_factory):
     return TrainRun(tmp_path_factory.mktemp("runs"), tiny_data)
 
 
 @pytest.fixture(scope="session")
 def job_run(tiny_data, tmp_path_factory):
-    """The run every runtime test compares against (RUNTIME_RUN), submitted as a user would. Tests read
-    it; a test that writes into its run directory works on a copy (`job_run_copy`)."""
+    """The run every runtime test compares against (RUNTIME_RUN), submitted as a user would. Tests only
+    read its run directory; one that writes works on a copy."""
     root = tmp_path_factory.mktemp("job")
     result = submit_job_to_fresh_cluster(root, [f"run.root={root}", "run.name=job", *tiny_data, *RUNTIME_RUN])
     result["run_dir"] = root / "job"

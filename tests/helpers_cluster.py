@@ -14,7 +14,7 @@ import urllib.request
 from pathlib import Path
 
 # The run every runtime test compares against: two epochs straight through, submitted as a user would
-# (`ray job submit` to a `ray start --head` cluster on 127.0.0.1). 11 plan batches per epoch at W = 2.
+# (`ray job submit` to a `ray start --head` cluster on 127.0.0.1), W = 2 batches per step.
 RUNTIME_RUN = ["train.epochs=2", "train.checkpoint_every=4", "train.max_failures=3"]
 
 

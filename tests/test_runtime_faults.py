@@ -57,8 +57,11 @@ def step_of(coord):
     return ray.get(coord.progress.remote())["step"]
 
 
-def test_kills_then_resume_with_fewer_workers_match_uninterrupted(job_run, train_run):
+def test_kills_then_resume_with_fewer_workers_match_uninterrupted(job_run, train_run, tiny_plan_batches):
     import ray
+
+    steps = [-(-n // 2) for n in tiny_plan_batches]             # W = 2 in both attempts
+    assert steps[0] < 8 < sum(steps)                            # max_steps=8 stops inside epoch 1
 
     assert job_run["summary"] is not None, job_run["logs"][-4000:]
     killed = {}
@@ -82,21 +85,22 @@ def test_kills_then_resume_with_fewer_workers_match_uninterrupted(job_run, train
     assert s["target_restarts"] >= 1 and s["trainer_restarts"] >= 1, s
     assert s["failures_survived"] >= 2 and s["rolled_back_steps"] >= 1
     assert s["steps"] == 8 and s["ledger"]["ok"], s["ledger"]
-    assert read_state(Path(s["checkpoint"]))["cursor"] == {"epoch": 1, "position": 4, "step": 8}
+    assert read_state(Path(s["checkpoint"]))["cursor"] == {"epoch": 1, "position": 2 * (8 - steps[0]), "step": 8}
 
     # the same run name again, from the command line in a new process that starts its own local Ray, with
-    # one drafter worker (W = 1 x 2): it resumes at epoch 1, position 4
+    # one drafter worker (W = 1 x 2): it resumes in epoch 1 where the step-8 checkpoint left it
     env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
     proc = subprocess.run(
         [sys.executable, "-m", "dflash_ray.train", f"run.root={train_run.root}", "run.name=faulty",
          *run.data, *RUNTIME_RUN, "cluster.drafter_workers=1", "train.grad_accum=2"],
         env=env, capture_output=True, text=True, timeout=600, cwd=spec.run_dir)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    assert "ledger exactly-once" in proc.stdout and "step 12/12" in proc.stderr   # result line, progress
+    total = sum(steps)
+    assert "ledger exactly-once" in proc.stdout and f"step {total}/{total}" in proc.stderr  # result, progress
     s = json.loads((Path(spec.run_dir) / "summary.json").read_text())
-    assert s["steps"] == 12 and s["epochs_finished"] == [0, 1]
+    assert s["steps"] == total and s["epochs_finished"] == [0, 1]
     assert s["ledger"]["ok"], s["ledger"]
-    assert s["drafter_workers"] == 1 and s["world"] == 2
+    assert s["drafter_workers"] == 1 and s["batches_per_step"] == 2
 
     job = job_run["summary"]
     ledger = read_jsonl(Path(spec.run_dir) / LEDGER)

@@ -4,11 +4,13 @@ node's metrics export port while it runs, and its run directory holds what docs/
 summary.json, export/ (loads in the reference `dflash` package), metrics.jsonl, the ledger, checkpoints,
 and `dflash-ray plot` draws it.
 
-The run: 2 epochs of the tiny test corpus, 11 plan batches per epoch, 2 drafter workers x 1 -> W = 2, so
-each epoch's last step carries a filler row; checkpoints every 4 steps and at each epoch end."""
+The run: 2 epochs of the tiny test corpus, 2 drafter workers x 1 -> W = 2 batches per step, so an epoch
+of n batches takes ceil(n / 2) steps (the last one with a filler row when n is odd); checkpoints every 4
+steps and at each epoch end. Expected counts are derived from n (`tiny_plan_batches`)."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import torch
@@ -16,35 +18,44 @@ import torch
 from dflash_ray.runtime.checkpoint import load_weights, read_state
 
 
-def test_job_succeeds_and_exports_a_dflash_metric(job_run):
+def steps_of(n_batches):
+    return [-(-n // 2) for n in n_batches]                    # W = 2
+
+
+def test_job_succeeds_and_exports_a_dflash_metric(job_run, tiny_plan_batches):
     assert job_run["status"] == "SUCCEEDED", job_run["logs"][-4000:]
     assert job_run["metric"] and job_run["metric"].startswith("ray_dflash_"), \
         f"no ray_dflash_* metric on port {job_run['metrics_port']}"
-    assert "step 12/12" in job_run["logs"]                    # the driver's progress lines
+    total = sum(steps_of(tiny_plan_batches))
+    assert f"step {total}/{total}" in job_run["logs"]         # the driver's progress lines
     assert "ledger exactly-once" in job_run["logs"]
 
 
-def test_run_directory(job_run):
+def test_run_directory(job_run, tiny_plan_batches):
     run, s = Path(job_run["run_dir"]), job_run["summary"]
     assert s is not None, job_run["logs"][-4000:]
+    steps = steps_of(tiny_plan_batches)
     assert s["ledger"]["ok"], s["ledger"]
+    assert s["ledger"]["batches"] == sum(tiny_plan_batches)   # every planned batch, fillers not counted
     assert s["epochs_finished"] == [0, 1]
-    assert s["steps"] == 12  # 11 batches per epoch, W = 2 -> 6 steps per epoch (the last one with a filler)
+    assert s["steps"] == sum(steps) and s["batches_per_step"] == 2
     assert s["failures_survived"] == 0
     assert s["tokens"] > 0 and s["tokens_per_second"] > 0 and s["final_loss"] > 0
     for key in ("epochs", "tokens", "tokens_per_second", "final_loss", "plan", "failures_survived", "export"):
         assert key in s
     assert s["export"] == str(run / "export")
-    # the stream stayed inside the flight window; the target actor did every batch (fillers included)
+    # the stream stayed inside the flight window; the target actor did every row (fillers included)
     assert 2 <= s["max_batches_in_flight"] <= s["flight_window"]
-    assert sum(t["batches"] for t in s["target_actors"].values()) == 24
+    assert sum(t["batches"] for t in s["target_actors"].values()) == 2 * sum(steps)
     # every step logged; the loss goes down on this learnable corpus
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in metrics] == list(range(1, 13))
+    assert [m["step"] for m in metrics] == list(range(1, sum(steps) + 1))
     assert metrics[-1]["loss"] < metrics[0]["loss"]
-    # the last checkpoint: complete, at the end of the run
+    # checkpoints every 4 steps, at each epoch's end and at the last step; the last one at the run's end
+    due = sorted({s for s in range(1, sum(steps) + 1) if s % 4 == 0} | {steps[0], sum(steps)})
+    assert [c["step"] for c in s["checkpoints"]] == due
     state = read_state(Path(s["checkpoint"]))
-    assert state["cursor"] == {"epoch": 2, "position": 0, "step": 12} and state["world_size"] == 2
+    assert state["cursor"] == {"epoch": 2, "position": 0, "step": sum(steps)} and state["world_size"] == 2
 
 
 def test_export_loads_in_reference_dflash(job_run):
@@ -66,14 +77,17 @@ def test_plot_command_draws_pngs(job_run):
         assert (run / "plots" / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_export_command_rewrites_export_from_latest_checkpoint(job_run, tiny_data):
+def test_export_command_rewrites_export_from_latest_checkpoint(job_run, tiny_data, tmp_path):
+    """On a copy of the job's run directory (the job's own stays as the other tests read it)."""
     from dflash_ray.cli import main
 
-    run = Path(job_run["run_dir"])
+    run = tmp_path / "job"
+    shutil.copytree(job_run["run_dir"], run)
     (run / "export" / "model.safetensors").unlink()
-    assert main(["export", f"run.root={run.parent}", "run.name=job", *tiny_data]) == 0
+    assert main(["export", f"run.root={tmp_path}", "run.name=job", *tiny_data]) == 0
     exported = load_weights_file(run / "export" / "model.safetensors")
-    for k, v in load_weights(Path(job_run["summary"]["checkpoint"])).items():
+    checkpoint = run / "ray_train" / "job" / Path(job_run["summary"]["checkpoint"]).name
+    for k, v in load_weights(checkpoint).items():
         assert torch.equal(exported[k], v), k
 
 

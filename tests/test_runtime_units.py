@@ -14,7 +14,7 @@ from dflash_ray.data.plan import PlanSpec, build_plan
 from dflash_ray.runtime.capacity import best_split, capacity_report
 from dflash_ray.runtime.feed import FILLER, Cursor, build_feed, cursor_after, rank_rows
 from dflash_ray.runtime.ledger import read_jsonl, rewrite_jsonl, rollback, verify_ledger
-from dflash_ray.runtime.step import batch_seed, lr_lambda
+from dflash_ray.runtime.step import lr_lambda
 
 
 def _plans(num_samples=300, seed=0):
@@ -69,6 +69,25 @@ def test_feed_resumes_at_cursor_and_stops_at_max_steps():
     assert build_feed(plan_for, Cursor(2, 0, 99), 2, epochs=2, max_steps=None).steps == 0
 
 
+def test_feed_resumed_mid_epoch_stops_at_max_steps_across_the_epoch_end():
+    """A resume at (epoch 0, position p, step k) with max_steps = m trains steps k+1..m: the rest of
+    epoch 0 (ceil((n0 - p) / W) steps, the last padded with fillers), then epoch 1 from position 0."""
+    plan_for = _plans()
+    n0, per_step, p, k = plan_for(0).num_batches, 2, 11, 4
+    left_in_epoch0 = -(-(n0 - p) // per_step)
+    m = k + left_in_epoch0 + 3                              # 3 steps into epoch 1
+    feed = build_feed(plan_for, Cursor(0, p, k), per_step, epochs=2, max_steps=m)
+    t = feed.table.to_pydict()
+    assert feed.steps == m - k and feed.total_steps == m and feed.num_rows == (m - k) * per_step
+    assert feed.epoch_steps == {0: left_in_epoch0, 1: 3}
+    epoch0 = [q for q, e in zip(t["position"], t["epoch"]) if e == 0]
+    assert [q for q in epoch0 if q != FILLER] == list(range(p, n0))
+    assert len(epoch0) - (n0 - p) == (-(n0 - p)) % per_step     # fillers pad the epoch's last step only
+    assert [q for q, e in zip(t["position"], t["epoch"]) if e == 1] == list(range(3 * per_step))
+    # the LR schedule still spans every planned step of both epochs at this W
+    assert feed.schedule_steps == k + left_in_epoch0 + -(-plan_for(1).num_batches // per_step)
+
+
 def test_rank_rows_and_cursor_after():
     assert rank_rows(0, 4, 2, 0) == [0, 2] and rank_rows(0, 4, 2, 1) == [1, 3]
     assert rank_rows(3, 2, 2, 1) == [7]
@@ -88,6 +107,12 @@ def test_ledger_verify_rollback_and_torn_lines(tmp_path):
     assert not dup["ok"] and dup["duplicates"] == [(1, 1)]
     miss = verify_ledger(recs[:2] + recs[3:], sizes, finished_epochs=[0])
     assert not miss["ok"] and miss["missing"] == {0: [4]}
+    swapped = verify_ledger([recs[1], recs[0]] + recs[2:], sizes, finished_epochs=[0])
+    assert not swapped["ok"] and not swapped["steps_in_order"] and not swapped["missing"]
+    gap = verify_ledger(recs[:1] + recs[2:], sizes, finished_epochs=[])   # step 2 lost, epoch 0 unfinished
+    assert not gap["ok"] and not gap["steps_in_order"]
+    unfinished = verify_ledger(recs[:2], sizes, finished_epochs=[])      # a run stopped mid-epoch
+    assert unfinished["ok"] and unfinished["missing"] == {}
 
     path = tmp_path / "ledger.jsonl"
     rewrite_jsonl(path, recs)
@@ -104,11 +129,6 @@ def test_lr_schedule_warmup_then_cosine_to_zero():
     assert [round(f(s), 3) for s in range(5)] == [0.25, 0.5, 0.75, 1.0, 1.0]
     assert f(52) == pytest.approx(0.5, abs=0.02) and f(100) == pytest.approx(0.0, abs=1e-9)
     assert all(f(s) >= f(s + 1) for s in range(4, 100))
-
-
-def test_batch_seed_depends_only_on_the_batch():
-    assert batch_seed(0, 1, 7) == batch_seed(0, 1, 7)
-    assert len({batch_seed(0, e, p) for e in range(3) for p in range(50)}) == 150
 
 
 def test_checkpoint_manifest_detects_incomplete(tmp_path):
@@ -140,14 +160,32 @@ def test_checkpoint_manifest_detects_incomplete(tmp_path):
         read_state(d)
 
 
-def test_latest_checkpoint_cursor_reads_ray_trains_record(tmp_path):
-    from dflash_ray.runtime.checkpoint import SNAPSHOT, cursor_metrics, latest_checkpoint_cursor
+@pytest.mark.parametrize("uri", [False, True], ids=["path", "file-uri"])
+def test_checkpoint_lookup_reads_ray_trains_record_on_any_filesystem(tmp_path, uri):
+    """One reader (pyarrow's filesystem layer) for the cursor, the latest checkpoint and its files, so
+    a URI storage path (s3://, gs://; file:// here) goes the same way as a local one."""
+    from dflash_ray.runtime.checkpoint import (SNAPSHOT, cursor_metrics, latest_checkpoint_cursor,
+                                               latest_checkpoint_path, local_checkpoint)
 
-    assert latest_checkpoint_cursor(str(tmp_path)) == Cursor()
+    where = f"file://{tmp_path}" if uri else str(tmp_path)
+    assert latest_checkpoint_cursor(where) == Cursor() and latest_checkpoint_path(where) is None
     snap = {"ray_version": "2.60.0", "latest_checkpoint_result": {
         "checkpoint_dir_name": "checkpoint_x", "metrics": {**cursor_metrics(Cursor(1, 4, 8)), "loss": 1.0}}}
     (tmp_path / SNAPSHOT).write_text(json.dumps(snap))
-    assert latest_checkpoint_cursor(str(tmp_path)) == Cursor(1, 4, 8)
+    (tmp_path / "checkpoint_x").mkdir()
+    (tmp_path / "checkpoint_x" / "state.json").write_text("{}")
+    assert latest_checkpoint_cursor(where) == Cursor(1, 4, 8)
+    assert latest_checkpoint_path(where) == f"{where}/checkpoint_x"
+    with local_checkpoint(latest_checkpoint_path(where)) as d:
+        assert (d / "state.json").read_text() == "{}"
+        assert (d == tmp_path / "checkpoint_x") != uri          # a URI is copied to a local temp dir
+
+
+def test_checkpoint_due_every_n_steps_at_epoch_ends_and_the_last_step():
+    from dflash_ray.runtime.checkpoint import checkpoint_due
+
+    due = [s for s in range(1, 15) if checkpoint_due(s, 4, last_step=s == 14, end_of_epoch=s in (6, 12))]
+    assert due == [4, 6, 8, 12, 14]
 
 
 def test_capacity_model_balances_the_pipeline():
@@ -176,7 +214,11 @@ def test_plan_command_prints_capacity(tmp_path, tiny_data, capsys):
     shards = next(o for o in tiny_data if o.startswith("data.shards="))
     assert main(["plan", "cluster=8gpu", shards, f"run.dir={tmp_path}"]) == 0
     out = capsys.readouterr().out
-    assert "capacity model (8gpu: 8 GPUs)" in out and "best split" in out
+    assert "capacity model (8gpu: 8 GPUs)" in out
+    # no measured rates: the seed run's (6 target + 2 drafter GPUs at 25,300 tokens/s, balanced) give
+    # T = 25300/6 and D = 25300/2 per GPU; min(t*T, (8-t)*D) peaks at t = 6 with 25,300 tokens/s
+    best = next(line for line in out.splitlines() if "best split" in line)
+    assert "6 target + 2 drafter" in best and "25300" in best.replace(",", "")
 
 
 def test_token_store_pads_and_truncates():
