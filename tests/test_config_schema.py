@@ -1,0 +1,52 @@
+"""The typed config as the one path: new keys, rules between keys, and the YAML defaults against the
+schema's (the schema is the source of truth; the YAML documents it)."""
+from __future__ import annotations
+
+from dataclasses import fields
+
+import pytest
+import yaml
+
+from dflash_ray.cli import main
+from dflash_ray.config import CONF_DIR, ClusterConfig, TrainConfig, compose_config
+from dflash_ray.errors import UserError
+
+
+def test_new_key_in_a_typed_group_is_refused_at_the_root_it_is_kept(capsys):
+    assert main(["train", "--cfg", "job", "+train.new_key=1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0
+    assert "unknown config key 'train.new_key'" in err and "adds keys at the root only" in err
+    cfg = compose_config(["+corpus=/data/c", "data.shards=${corpus}/shards"])
+    assert cfg.corpus == "/data/c" and cfg.data.shards == "/data/c/shards"
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["cluster.max_batches_in_flight=3", "cluster.drafter_workers=2", "train.grad_accum=2"],
+     "cluster.max_batches_in_flight"),                       # one step needs 4 batches in flight
+    (["data.bucket_boundaries=[64,32]"], "data.bucket_boundaries"),
+    (["data.max_tokens_per_batch=100"], "data.max_tokens_per_batch"),   # the last boundary is 512
+])
+def test_rules_between_keys_are_checked_when_the_config_is_composed(overrides, key):
+    with pytest.raises(UserError, match=f"config key '{key}'"):
+        compose_config(overrides)
+    compose_config(["cluster.max_batches_in_flight=4", "cluster.drafter_workers=2", "train.grad_accum=2"])
+
+
+def test_train_yaml_holds_the_schema_defaults():
+    """conf/train/default.yaml is the schema's defaults, written out: a drift between them fails here."""
+    written = yaml.safe_load((CONF_DIR / "train" / "default.yaml").read_text())
+    schema = {f.name: f.default for f in fields(TrainConfig)}
+    assert written == schema
+
+
+def test_cluster_yaml_options_name_every_schema_key():
+    """Each cluster option sets every key (a missing key would silently take the CPU default)."""
+    keys = {f.name for f in fields(ClusterConfig)}
+    for option in sorted((CONF_DIR / "cluster").glob("*.yaml")):
+        assert set(yaml.safe_load(option.read_text())) == keys, option.name
+
+
+def test_nothing_reads_a_removed_knob(capsys):
+    assert main(["train", "--cfg", "job", "train.log_every=1"]) == 2
+    assert "unknown config key 'train.log_every'" in capsys.readouterr().err
