@@ -9,11 +9,28 @@ from transformers import AutoTokenizer
 from dflash_ray.cli import run_command
 
 
+CONVERSATION = [{"role": "user", "content": "Count from 3 to 9."}, {"role": "assistant", "content": "3"}]
+TEXT = "Repeat 'red blue' 3 times."
+# The reference passes `past_key_values`, which transformers 5 deprecates in favour of `cache`.
+pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
+
+
+def _rendered(tok, messages):
+    """A prompt as serving renders it: the chat template with the generation prompt, tokenized by it."""
+    return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
+
+
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
+    """A tiny target and a drafter trained for 10 steps on the target's greedy continuation of the
+    conversation prompt: accepted there (and on the text prompt, which continues the same way), not on
+    the input_ids prompt, so tau depends on the prompts and on how they are averaged."""
+    import torch
+
     from dflash_ray.model.drafter import build_drafter
+    from dflash_ray.model.evaluate import greedy_generate
     from dflash_ray.model.export import export_drafter
-    from dflash_ray.model.target import build_synthetic_target, load_embed_and_head, load_target
+    from dflash_ray.model.target import TargetFeatureExtractor, build_synthetic_target, load_embed_and_head, load_target
 
     root = tmp_path_factory.mktemp("eval")
     _, tokdir = make_tokenizer(root)
@@ -21,29 +38,74 @@ def pair(tmp_path_factory):
     tcfg = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
                 num_key_value_heads=2, head_dim=8, max_position_embeddings=512, tie_word_embeddings=True)
     target_dir = build_synthetic_target(tcfg, len(tok), str(root / "target"), seed=0)
+    target = load_target(target_dir)
     embed, head = load_embed_and_head(target_dir)
-    drafter = build_drafter({"num_draft_layers": 1, "block_size": 4, "num_anchors": 8}, load_target(target_dir).config,
+    drafter = build_drafter({"num_draft_layers": 1, "block_size": 4, "num_anchors": 8}, target.config,
                             embed, head, mask_token_id=tok.mask_token_id, seed=0)
+    prompt = _rendered(tok, CONVERSATION[:1])
+    ids = greedy_generate(target, torch.tensor([prompt]), 12)
+    loss_mask = torch.zeros_like(ids)
+    loss_mask[:, len(prompt) - 1:] = 1
+    context = TargetFeatureExtractor(target, drafter.target_layer_ids)(ids)
+    opt = torch.optim.AdamW(drafter.trainable_parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(10):
+        out = drafter.training_loss(ids, loss_mask, context, torch.tensor([ids.shape[1]]), g)
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
     return root, tokdir, target_dir, export_drafter(drafter, str(root / "drafter"))
 
 
-def test_eval_reads_conversation_and_text_prompts_and_reports_tau(pair, capsys):
+def _reference_lengths(drafter_dir, target_dir, prompts, max_new_tokens, stop_token_ids, monkeypatch):
+    """Per-prompt acceptance lengths from the reference `dflash_generate`."""
+    import time
+
+    import dflash.model as reference
+    import torch
+
+    from dflash_ray.model.target import load_target
+
+    monkeypatch.setattr(reference, "_cuda_time", time.perf_counter)  # it times with CUDA syncs otherwise
+    model = reference.DFlashDraftModel.from_pretrained(drafter_dir).eval()
+    target = load_target(target_dir)
+    return [reference.dflash_generate(model, target, torch.tensor([p]), max_new_tokens, stop_token_ids,
+                                      return_stats=True).acceptance_lengths for p in prompts]
+
+
+def test_eval_reads_conversation_and_text_prompts_and_reports_tau(pair, capsys, monkeypatch):
+    """The prompts eval decodes are the chat template's rendering (turns after the last user turn dropped),
+    and its tau is the reference's on those prompts (mean of per-prompt means)."""
+    import dflash_ray.model.evaluate as evaluate
+
     root, tokdir, target_dir, drafter_dir = pair
+    tok = AutoTokenizer.from_pretrained(str(tokdir))
     prompts = write_jsonl(root / "p.jsonl", [
-        {"conversations": [{"role": "user", "content": "Count from 3 to 9."}, {"role": "assistant", "content": "3"}]},
-        {"prompt": "Repeat 'red blue' 3 times."},
-        {"input_ids": [5, 6, 7, 8]},
+        {"conversations": CONVERSATION}, {"prompt": TEXT}, {"input_ids": [5, 6, 7, 8]},
     ])
+    seen = []
+    real = evaluate.evaluate_acceptance
+    monkeypatch.setattr(evaluate, "evaluate_acceptance", lambda d, t, p, *a, **k: seen.append(p) or real(d, t, p, *a, **k))
     rc = run_command("eval", [f"drafter={drafter_dir}", f"target={target_dir}", f"data.prompts={prompts}",
                               f"data.tokenizer={tokdir}", "eval.max_new_tokens=10", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert rc == 0
+    expected = [_rendered(tok, CONVERSATION[:1]), _rendered(tok, [{"role": "user", "content": TEXT}]), [5, 6, 7, 8]]
+    assert seen == [expected]
+    lengths = _reference_lengths(drafter_dir, target_dir, expected, 10, [tok.eos_token_id], monkeypatch)
+    assert out["per_prompt_acceptance_lengths"] == lengths
+    assert out["tau"] == pytest.approx(sum(sum(x) / len(x) for x in lengths) / len(lengths))
+    # The drafter is accepted on some prompts and not others: tau is neither 1 nor the per-cycle mean.
+    assert 1.5 < out["tau"] < 4.0 and out["tau"] != pytest.approx(out["tau_per_cycle"])
     assert out["num_prompts"] == 3 and out["outputs_match_greedy"] is True
-    assert 1.0 <= out["tau"] <= 4.0 and sum(out["acceptance_histogram"]) == out["num_cycles"]
+    assert sum(out["acceptance_histogram"]) == out["num_cycles"]
+
     rc = run_command("eval", [f"drafter={drafter_dir}", f"target={target_dir}", f"data.prompts={prompts}",
                               f"data.tokenizer={tokdir}", "eval.max_new_tokens=6", "eval.max_prompts=1"])
     text = capsys.readouterr().out
-    assert rc == 0 and "tau" in text and "1 prompts" in text and "output equals plain greedy decoding     : yes" in text
+    assert rc == 0 and "1 prompts" in text and "output equals plain greedy decoding     : yes" in text
+    [first] = _reference_lengths(drafter_dir, target_dir, expected[:1], 6, [tok.eos_token_id], monkeypatch)
+    assert f"tau (mean accepted + 1 per cycle)       : {sum(first) / len(first):.3f}" in text
 
 
 def test_eval_bad_inputs_exit_2_with_one_line(pair, tmp_path, capsys):

@@ -5,6 +5,7 @@ positions a..a+B-1. Our training forward runs many blocks at once under a mask; 
 the reference's logits, it must not see context position >= a, and the loss must supervise slot k with
 x[a+k]. These are the three bugs that have shipped near-zero-acceptance drafters elsewhere.
 """
+import copy
 import math
 import warnings
 
@@ -64,17 +65,18 @@ def setup(request, tmp_path_factory):
                 loss_mask=loss_mask, context=context, tied=tied)
 
 
-def _reference_block_logits(s, b, anchor, block_len=BLOCK):
+def _reference_block_logits(s, b, anchor, block_len=BLOCK, reference=None):
     """The reference's inference logits for slots 1..L-1 of the block at `anchor` of sample b."""
+    reference = s["reference"] if reference is None else reference
     block = torch.full((1, block_len), MASK)
     block[0, 0] = s["ids"][b, anchor]
     noise = F.embedding(block, s["target"].model.embed_tokens.weight)
     with torch.no_grad():
-        hidden = s["reference"](
+        hidden = reference(
             target_hidden=s["context"][b:b + 1, :anchor], noise_embedding=noise,
             position_ids=torch.arange(anchor + block_len)[None],
         )[:, 1 - block_len:]
-        return s["reference"].compute_logits(hidden, s["target"].lm_head)[0]
+        return reference.compute_logits(hidden, s["target"].lm_head)[0]
 
 
 def _valid_anchors(s, b):
@@ -209,24 +211,18 @@ def test_anchor_sampling(setup):
     assert anchors[0][valid[0]].tolist() == [20, 21] and not valid[1].any()
 
 
-def test_loss_equals_weighted_ce_on_reference_logits(setup):
-    """loss_sum / weight_sum / slot counts recomputed from the reference's logits and labels x[a+k]."""
-    s = setup
-    d = s["drafter"]
-    g = torch.Generator().manual_seed(5)
-    out = d.training_loss(s["ids"], s["loss_mask"], s["context"], s["lengths"], g)
-    anchors, valid = d.sample_anchors(s["loss_mask"], s["lengths"], torch.Generator().manual_seed(5))
-
+def _reference_loss(s, anchors, valid, reference=None):
+    """Loss parts recomputed by hand from the reference's logits and labels x[a+k]: weighted CE, per-slot
+    argmax hits, blocks whose slots 1..k all hit, and each block's run of leading hits (what greedy
+    verification would accept)."""
     gamma = default_gamma(BLOCK)
-    loss, wsum = 0.0, 0.0
-    correct = torch.zeros(BLOCK - 1)
-    count = torch.zeros(BLOCK - 1)
-    prefix = torch.zeros(BLOCK - 1)
-    for b in range(2):
+    loss, wsum, blocks, runs = 0.0, 0.0, 0, []
+    correct, count, prefix = torch.zeros(BLOCK - 1), torch.zeros(BLOCK - 1), torch.zeros(BLOCK - 1)
+    for b in range(anchors.shape[0]):
         n_tok = int(s["lengths"][b])
         for a in anchors[b][valid[b]].tolist():
-            ref = _reference_block_logits(s, b, a)
-            run = True
+            ref = _reference_block_logits(s, b, a, reference=reference)
+            run, leading = True, 0
             for k in range(1, BLOCK):
                 if a + k >= n_tok or not s["loss_mask"][b, a + k]:
                     run = False
@@ -240,13 +236,93 @@ def test_loss_equals_weighted_ce_on_reference_logits(setup):
                 count[k - 1] += 1
                 run = run and hit
                 prefix[k - 1] += run
+                leading += run
+            blocks += bool(s["loss_mask"][b, a + 1])  # slot 1 supervised
+            runs.append(leading)
+    return dict(loss=loss, wsum=wsum, correct=correct, count=count, prefix=prefix, blocks=blocks,
+                acceptance=1 + sum(runs) / len(runs))
+
+
+def _assert_loss_matches(out, ref):
+    assert math.isclose(out.loss_sum.item(), ref["loss"], rel_tol=1e-5)
+    assert math.isclose(out.weight_sum.item(), ref["wsum"], rel_tol=1e-6)
+    assert out.slot_correct.tolist() == ref["correct"].tolist()
+    assert out.slot_count.tolist() == ref["count"].tolist()
+    assert out.prefix_correct.tolist() == ref["prefix"].tolist()
+    assert int(out.num_blocks) == ref["blocks"]
+    assert math.isclose(out.measured_acceptance_length(), ref["acceptance"], rel_tol=1e-12)
+
+
+def test_anchor_rule_needs_context_and_two_supervised_tokens(setup, monkeypatch):
+    """Anchor a needs loss_mask[a] and loss_mask[a+1], a + 1 < length, and a >= 1 (anchor 0 would draft
+    with no context), here with loss_mask[0] and [1] set and the mask running past the length."""
+    d = setup["drafter"]
+    lm = torch.zeros(2, 12, dtype=torch.long)
+    lm[0, [0, 1, 2, 4, 6, 7, 8, 11]] = 1
+    lm[1] = 1
+    lengths = torch.tensor([12, 9])
+    monkeypatch.setattr(d, "num_anchors", 64)  # room for every valid anchor: the full set comes back
+    anchors, valid = d.sample_anchors(lm, lengths, torch.Generator().manual_seed(0))
+    assert anchors[0][valid[0]].tolist() == [1, 6, 7]           # not 0, 2, 4, 8 (next unmasked) or 11
+    assert anchors[1][valid[1]].tolist() == [1, 2, 3, 4, 5, 6, 7]  # not 0, nor 8 (a + 1 = length)
+    monkeypatch.setattr(d, "num_anchors", 3)  # sampled: anchor 0 is never drawn, every valid one is
+    g = torch.Generator().manual_seed(0)
+    drawn = set()
+    for _ in range(20):
+        anchors, valid = d.sample_anchors(lm, lengths, g)
+        assert valid.all()
+        drawn.update(anchors[1].tolist())
+    assert drawn == {1, 2, 3, 4, 5, 6, 7}
+
+
+def test_loss_equals_weighted_ce_on_reference_logits(setup):
+    """loss_sum / weight_sum / slot counts recomputed from the reference's logits and labels x[a+k]."""
+    s = setup
+    d = s["drafter"]
+    out = d.training_loss(s["ids"], s["loss_mask"], s["context"], s["lengths"], torch.Generator().manual_seed(5))
+    anchors, valid = d.sample_anchors(s["loss_mask"], s["lengths"], torch.Generator().manual_seed(5))
+    ref = _reference_loss(s, anchors, valid)
     assert out.loss_sum.requires_grad
-    assert math.isclose(out.loss_sum.item(), loss, rel_tol=1e-5)
-    assert math.isclose(out.weight_sum.item(), wsum, rel_tol=1e-6)
-    assert out.slot_correct.tolist() == correct.tolist()
-    assert out.slot_count.tolist() == count.tolist()
-    assert out.prefix_correct.tolist() == prefix.tolist()
-    assert count[0] == 2 * d.num_anchors and count[-1] < count[0]  # sequence ends and turn ends mask slots
+    _assert_loss_matches(out, ref)
+    assert ref["count"][0] == ref["blocks"] == 2 * d.num_anchors
+    assert ref["count"][-1] < ref["count"][0]  # sequence ends and turn ends mask slots
+
+
+@pytest.fixture(scope="module")
+def trained(setup, tmp_path_factory):
+    """The setup's drafter after 20 Adam steps on the setup's batch, and the reference loading it: it then
+    gets some slots right and some wrong, so the hit counts below compare something other than zeros."""
+    s = setup
+    d = copy.deepcopy(s["drafter"])
+    d.num_anchors = 64  # every valid anchor, every step
+    opt = torch.optim.Adam(d.trainable_parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        out = d.training_loss(s["ids"], s["loss_mask"], s["context"], s["lengths"], g)
+        opt.zero_grad()
+        out.loss.backward()
+        opt.step()
+    d.num_anchors = s["drafter"].num_anchors
+    d.zero_grad()
+    path = export_drafter(d, str(tmp_path_factory.mktemp("trained") / "drafter"))
+    return d, DFlashDraftModel.from_pretrained(path).eval()
+
+
+def test_hit_counts_of_a_partly_trained_drafter_equal_reference_counts(setup, trained):
+    """slot_correct, prefix_correct, num_blocks and the measured acceptance length, against counts taken
+    by hand from the reference's argmax, for a drafter that is right on some slots and wrong on others."""
+    s = setup
+    d, reference = trained
+    with torch.no_grad():
+        out = d.training_loss(s["ids"], s["loss_mask"], s["context"], s["lengths"], torch.Generator().manual_seed(5))
+    anchors, valid = d.sample_anchors(s["loss_mask"], s["lengths"], torch.Generator().manual_seed(5))
+    ref = _reference_loss(s, anchors, valid, reference)
+    # The setup must make every count informative: hits and misses, and a hit after a miss in some
+    # block (so prefix_correct differs from slot_correct), and an acceptance length between 1 and B.
+    assert 0 < ref["correct"].sum() < ref["count"].sum()
+    assert (ref["prefix"] < ref["correct"]).any() and ref["prefix"][0] > 0
+    assert 1.5 < ref["acceptance"] < BLOCK - 1
+    _assert_loss_matches(out, ref)
 
 
 def test_only_trainable_weights_get_gradients(setup):
@@ -279,9 +355,21 @@ def test_chunked_head_ce_matches_full_ce():
     assert torch.equal(correct, ref_correct)
 
 
-def test_gamma_weights_and_acceptance_helpers():
+def test_default_gamma_is_the_recipe_and_linear_between():
+    """7 / 5 / 4 for B = 16 / 10 / 8 (the DFlash recipe); other B on the line through the neighbouring
+    recipe points (slope 1/2 up to B = 10, 1/3 from there, both extended outwards), clamped at 1.
+    Values worked out by hand from that rule."""
     assert (default_gamma(16), default_gamma(10), default_gamma(8)) == (7.0, 5.0, 4.0)
-    assert 4.0 < default_gamma(9) < 5.0 and default_gamma(32) > 7.0 and default_gamma(2) >= 1.0
+    assert default_gamma(9) == 4.5                       # 4 + 1/2
+    assert default_gamma(12) == pytest.approx(17 / 3)    # 5 + 2/3
+    assert default_gamma(13) == pytest.approx(6.0)       # 5 + 3/3
+    assert default_gamma(15) == pytest.approx(20 / 3)    # 5 + 5/3
+    assert default_gamma(32) == pytest.approx(37 / 3)    # 5 + 22/3
+    assert default_gamma(4) == 2.0 and default_gamma(3) == 1.5 and default_gamma(2) == 1.0  # 4 - (8-B)/2
+    assert default_gamma(1) == 1.0                       # 0.5, clamped
+
+
+def test_gamma_weights_and_acceptance_helpers():
     w = slot_weights(16, 7.0)
     assert w.shape == (15,) and w[0] == 1.0 and math.isclose(w[7].item(), math.exp(-1), rel_tol=1e-6)  # k=8
     assert expected_acceptance_length([1.0] * 15) == 16.0

@@ -225,7 +225,7 @@ class DFlashDrafter(nn.Module):
             slot_correct=hit.sum((0, 1)),
             slot_count=sup.sum((0, 1)),
             prefix_correct=hit.long().cumprod(-1).sum((0, 1)),
-            num_blocks=sup[:, :, -1].sum(),
+            num_blocks=sup[:, :, 0].sum(),
         )
 
     def training_loss(self, input_ids, loss_mask, context, lengths, generator: torch.Generator) -> LossOutput:
