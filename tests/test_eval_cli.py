@@ -27,7 +27,7 @@ def pair(tmp_path_factory):
     the input_ids prompt, so tau depends on the prompts and on how they are averaged."""
     import torch
 
-    from dflash_ray.model.drafter import build_drafter
+    from dflash_ray.model.drafter import DrafterConfig, build_drafter
     from dflash_ray.model.evaluate import greedy_generate
     from dflash_ray.model.export import export_drafter
     from dflash_ray.model.target import TargetFeatureExtractor, build_synthetic_target, load_embed_and_head, load_target
@@ -40,8 +40,8 @@ def pair(tmp_path_factory):
     target_dir = build_synthetic_target(tcfg, len(tok), str(root / "target"), seed=0)
     target = load_target(target_dir)
     embed, head = load_embed_and_head(target_dir)
-    drafter = build_drafter({"num_draft_layers": 1, "block_size": 4, "num_anchors": 8}, target.config,
-                            embed, head, mask_token_id=tok.mask_token_id, seed=0)
+    drafter = build_drafter(DrafterConfig(num_draft_layers=1, block_size=4, num_anchors=8,
+                                          mask_token_id=tok.mask_token_id), target.config, embed, head, seed=0)
     prompt = _rendered(tok, CONVERSATION[:1])
     ids = greedy_generate(target, torch.tensor([prompt]), 12)
     loss_mask = torch.zeros_like(ids)

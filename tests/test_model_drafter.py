@@ -15,7 +15,7 @@ from torch.nn import functional as F
 
 import dflash_ray.model.attention as attention
 from dflash.model import DFlashDraftModel
-from dflash_ray.model.drafter import DFlashDrafter, build_drafter
+from dflash_ray.model.drafter import DFlashDrafter, DrafterConfig, build_drafter
 from dflash_ray.model.export import export_drafter
 from dflash_ray.model.loss import (
     chunked_head_ce,
@@ -47,8 +47,8 @@ def setup(request, tmp_path_factory):
     tdir = build_synthetic_target({**TINY, "tie_word_embeddings": tied}, VOCAB, str(root / "target"), seed=3)
     target = load_target(tdir)
     embed, head = target.model.embed_tokens.weight, target.lm_head.weight
-    cfg = dict(num_draft_layers=2, block_size=BLOCK, num_anchors=6, target_layer_ids=None)
-    drafter = build_drafter(cfg, target.config, embed, head, MASK, seed=0, attention_backend="sdpa")
+    cfg = DrafterConfig(num_draft_layers=2, block_size=BLOCK, num_anchors=6, mask_token_id=MASK)
+    drafter = build_drafter(cfg, target.config, embed, head, seed=0, attention_backend="sdpa")
     _perturb(drafter, seed=1)
     reference = DFlashDraftModel.from_pretrained(export_drafter(drafter, str(root / "drafter"))).eval()
 
@@ -377,20 +377,19 @@ def test_gamma_weights_and_acceptance_helpers():
     assert math.isclose(expected_acceptance_length([0.5, 0.5, 1.0]), 1 + 0.5 + 0.25 + 0.25)
 
 
-def test_build_drafter_reads_omegaconf_and_defaults(setup):
-    from omegaconf import OmegaConf
-
-    s = setup
-    target = s["target"]
-    cfg = OmegaConf.create({"num_draft_layers": 3, "target_layer_ids": None, "block_size": 16,
-                            "num_anchors": 4, "loss_gamma": None})
-    d = build_drafter(cfg, target.config, target.model.embed_tokens.weight, target.lm_head.weight, 5)
+def test_build_drafter_answers_the_config_nulls_by_rule(setup):
+    """None in the typed config: the reference formula's layers, the recipe's gamma, the last row as mask."""
+    target = setup["target"]
+    embed, head = target.model.embed_tokens.weight, target.lm_head.weight
+    d = build_drafter(DrafterConfig(num_draft_layers=3, block_size=16, num_anchors=4), target.config, embed, head)
     assert isinstance(d, DFlashDrafter) and len(d.layers) == 3
-    assert d.target_layer_ids == [1, 2, 3] and d.loss_gamma == 7.0 and d.mask_token_id == 5
-    cfg = OmegaConf.create({"num_draft_layers": 2, "target_layer_ids": [0, 4], "block_size": 4,
-                            "num_anchors": 4, "loss_gamma": 2.5})
-    d = build_drafter(cfg, target.config, target.model.embed_tokens.weight, target.lm_head.weight, 5)
-    assert d.target_layer_ids == [0, 4] and d.loss_gamma == 2.5 and d.block_size == 4
+    # round(1 + i * (6 - 4) / (3 - 1)) for i = 0, 1, 2 on the 6-layer target; gamma 7 for B = 16
+    assert d.target_layer_ids == [1, 2, 3] and d.loss_gamma == 7.0 and d.mask_token_id == VOCAB - 1
+    d = build_drafter(DrafterConfig(num_draft_layers=2, block_size=4, num_anchors=4, target_layer_ids=(0, 4),
+                                    loss_gamma=2.5, mask_token_id=5), target.config, embed, head)
+    assert d.target_layer_ids == [0, 4] and d.loss_gamma == 2.5 and d.block_size == 4 and d.mask_token_id == 5
+    with pytest.raises(TypeError, match="DrafterConfig"):
+        build_drafter({"num_draft_layers": 2, "block_size": 4, "num_anchors": 4}, target.config, embed, head)
 
 
 def test_bf16_autocast_step_runs_and_agrees(setup):

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import dflash.model as reference
-from dflash_ray.model.drafter import build_drafter
+from dflash_ray.model.drafter import DrafterConfig, build_drafter
 from dflash_ray.model.evaluate import evaluate_acceptance, greedy_generate, summarize
 from dflash_ray.model.export import export_drafter
 from dflash_ray.model.target import (
@@ -43,8 +43,8 @@ def pair(tmp_path_factory):
     tdir = build_synthetic_target(TINY, VOCAB, str(root / "target"), seed=0)
     target = load_target(tdir)
     embed, head = load_embed_and_head(tdir)
-    cfg = dict(num_draft_layers=2, block_size=BLOCK, num_anchors=16)
-    random_drafter = build_drafter(cfg, target.config, embed, head, MASK, seed=0)
+    cfg = DrafterConfig(num_draft_layers=2, block_size=BLOCK, num_anchors=16, mask_token_id=MASK)
+    random_drafter = build_drafter(cfg, target.config, embed, head, seed=0)
     random_dir = export_drafter(random_drafter, str(root / "random"))
 
     # Target-regenerated data: greedy continuations of random prompts (random targets fall into loops,
@@ -55,7 +55,7 @@ def pair(tmp_path_factory):
     loss_mask = torch.ones_like(ids)
     loss_mask[:, :6] = 0
     lengths = torch.full((len(ids),), ids.shape[1])
-    drafter = build_drafter(cfg, target.config, embed, head, MASK, seed=0)
+    drafter = build_drafter(cfg, target.config, embed, head, seed=0)
     context = TargetFeatureExtractor(target, drafter.target_layer_ids)(ids)
     opt = torch.optim.AdamW(drafter.trainable_parameters(), lr=3e-3)
     gen = torch.Generator().manual_seed(1)

@@ -6,7 +6,7 @@ import torch
 from safetensors import safe_open
 
 from dflash.model import DFlashDraftModel
-from dflash_ray.model.drafter import build_drafter
+from dflash_ray.model.drafter import DrafterConfig, build_drafter
 from dflash_ray.model.export import export_drafter, load_drafter
 from dflash_ray.model.target import build_synthetic_target, load_embed_and_head, load_target
 from helpers_model import TINY_QWEN3
@@ -21,8 +21,8 @@ def exported(tmp_path_factory):
     tdir = build_synthetic_target(TINY, VOCAB, str(root / "target"), seed=0)
     target = load_target(tdir)
     embed, head = load_embed_and_head(tdir)
-    cfg = dict(num_draft_layers=3, block_size=10, num_anchors=8, target_layer_ids=[1, 4, 6])
-    drafter = build_drafter(cfg, target.config, embed, head, mask_token_id=298, seed=0)
+    cfg = DrafterConfig(num_draft_layers=3, block_size=10, num_anchors=8, target_layer_ids=(1, 4, 6), mask_token_id=298)
+    drafter = build_drafter(cfg, target.config, embed, head, seed=0)
     with torch.no_grad():
         for p in drafter.parameters():
             p.add_(torch.randn_like(p) * 0.1)

@@ -33,23 +33,23 @@ def block_visible(q_idx, kv_idx, anchors_b, ctx_len: int, block_size: int):
 
 def dense_mask(anchors: torch.Tensor, ctx_len: int, block_size: int) -> torch.Tensor:
     """Boolean [B, 1, N*block, S + N*block] mask for SDPA (True = attend)."""
-    bsz, n = anchors.shape
+    batch_size, n = anchors.shape
     q = torch.arange(n * block_size, device=anchors.device)
     kv = torch.arange(ctx_len + n * block_size, device=anchors.device)
-    rows = [block_visible(q[:, None], kv[None, :], anchors[b], ctx_len, block_size) for b in range(bsz)]
+    rows = [block_visible(q[:, None], kv[None, :], anchors[b], ctx_len, block_size) for b in range(batch_size)]
     return torch.stack(rows)[:, None]
 
 
 def flex_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int):
     from torch.nn.attention.flex_attention import create_block_mask
 
-    bsz, n = anchors.shape
+    batch_size, n = anchors.shape
 
     def mask_mod(b, h, q_idx, kv_idx):
         return block_visible(q_idx, kv_idx, anchors[b], ctx_len, block_size)
 
     q_len = n * block_size
-    return create_block_mask(mask_mod, bsz, None, q_len, ctx_len + q_len, device=anchors.device)
+    return create_block_mask(mask_mod, batch_size, None, q_len, ctx_len + q_len, device=anchors.device)
 
 
 @functools.cache

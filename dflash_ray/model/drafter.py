@@ -10,7 +10,6 @@ Training runs up to `num_anchors` blocks per sample in one pass (mask rule in at
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -266,13 +265,11 @@ class DFlashDrafter(nn.Module):
         return self.norm(x)
 
 
-def build_drafter(cfg: DrafterConfig, target_hf_config, embed_weight, head_weight, mask_token_id=None,
-                  seed: int | None = None, attention_backend: str = "auto") -> DFlashDrafter:
+def build_drafter(cfg: DrafterConfig, target_hf_config, embed_weight, head_weight, seed: int | None = None,
+                  attention_backend: str = "auto") -> DFlashDrafter:
     """A fresh drafter for a target. seed: initialise under this seed without touching the global RNG."""
-    if not isinstance(cfg, DrafterConfig):  # TRANSITION: dict configs of the model tests
-        cfg = DrafterConfig(**{k: v for k, v in dict(cfg).items() if k in DrafterConfig.__dataclass_fields__})
-    if mask_token_id is not None:
-        cfg = dataclasses.replace(cfg, mask_token_id=int(mask_token_id))
+    if not isinstance(cfg, DrafterConfig):
+        raise TypeError(f"build_drafter takes a DrafterConfig, got {type(cfg).__name__}")
     mask_token_id = cfg.mask_token_id
     if mask_token_id is None:
         mask_token_id = default_mask_token_id(embed_weight.shape[0])

@@ -72,22 +72,22 @@ class DrafterAttention(nn.Module):
         """K (normed, rotated) and V, [B, kv_heads, L, D], for tokens x [B, L, H] at the positions of cos/sin.
 
         Every op is per token, so context K/V can be computed once and cached at inference."""
-        bsz, length, _ = x.shape
-        k = self.k_norm(self.k_proj(x).view(bsz, length, self.num_kv_heads, self.head_dim)).transpose(1, 2)
-        v = self.v_proj(x).view(bsz, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
+        batch_size, length, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(batch_size, length, self.num_kv_heads, self.head_dim)).transpose(1, 2)
+        v = self.v_proj(x).view(batch_size, length, self.num_kv_heads, self.head_dim).transpose(1, 2)
         return apply_rope(k, cos, sin), v
 
     def forward(self, x, ctx_k, ctx_v, cos, sin, mask) -> torch.Tensor:
         """x: block tokens [B, Q, H] (already input-normed); ctx_k/ctx_v: context K/V [B, kv, S, D];
         cos/sin for the block positions; mask: the visibility rule (attention.training_mask) or None."""
-        bsz, q_len, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(bsz, q_len, self.num_heads, self.head_dim)).transpose(1, 2)
+        batch_size, q_len, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(batch_size, q_len, self.num_heads, self.head_dim)).transpose(1, 2)
         q = apply_rope(q, cos, sin)
         k_blk, v_blk = self.keys_values(x, cos, sin)
         k = torch.cat([ctx_k, k_blk], dim=2)  # context first, as the reference (and its KV cache) orders them
         v = torch.cat([ctx_v, v_blk], dim=2)
         out = attend(q, k, v, mask)  # [B, heads, Q, D]
-        return self.o_proj(out.transpose(1, 2).reshape(bsz, q_len, -1))
+        return self.o_proj(out.transpose(1, 2).reshape(batch_size, q_len, -1))
 
 
 class DrafterLayer(nn.Module):

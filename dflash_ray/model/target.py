@@ -133,9 +133,9 @@ class TargetFeatureExtractor(nn.Module):
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         dec = self.decoder
-        bsz, seq = input_ids.shape
+        batch_size, seq = input_ids.shape
         hidden = dec.embed_tokens(input_ids)
-        position_ids = torch.arange(seq, device=input_ids.device).unsqueeze(0).expand(bsz, -1)
+        position_ids = torch.arange(seq, device=input_ids.device).unsqueeze(0).expand(batch_size, -1)
         mask = create_causal_mask(
             config=self.config, inputs_embeds=hidden, attention_mask=attention_mask,
             cache=None, position_ids=position_ids,
@@ -146,7 +146,7 @@ class TargetFeatureExtractor(nn.Module):
             raise NotImplementedError("sliding-window targets are not supported by TargetFeatureExtractor")
 
         # Write each tapped layer straight into its slice of the output: no list of hidden states is kept.
-        out = hidden.new_empty(bsz, seq, len(self.layer_ids) * self.hidden_size)
+        out = hidden.new_empty(batch_size, seq, len(self.layer_ids) * self.hidden_size)
         slots = {}
         for j, layer_id in enumerate(self.layer_ids):
             slots.setdefault(layer_id, []).append(j)
