@@ -213,10 +213,53 @@ def plot_command(cfg, args) -> int:
 
 
 # ----------------------------------------------------------------------------- evaluation
-def eval_command(cfg, args) -> int:
-    from dflash_ray.eval import eval_command as run_eval
+def format_eval(s: dict) -> str:
+    hist = " ".join(f"{k}:{v}" for k, v in enumerate(s["acceptance_histogram"]) if v)
+    return "\n".join([
+        f"drafter {s['drafter']} vs target {s['target']}: {s['num_prompts']} prompts, {s['new_tokens']} new tokens, block {s['block_size']}",
+        f"  tau (mean accepted + 1 per cycle)       : {s['tau']:.3f}  (per cycle over all prompts: {s['tau_per_cycle']:.3f})",
+        f"  acceptance lengths (length:cycles)      : {hist}",
+        f"  target forwards, speculative vs greedy  : {s['target_forwards_speculative']} vs {s['target_forwards_greedy']}",
+        f"  target seconds, speculative vs greedy   : {s['target_seconds_speculative']:.3f} vs {s['target_seconds_greedy']:.3f} "
+        f"(x{s['target_time_speedup']:.2f}, {s['target_seconds_saved']:.3f} s saved)",
+        f"  output equals plain greedy decoding     : {'yes' if s['outputs_match_greedy'] else 'NO'}",
+    ])
 
-    return run_eval(cfg, args)
+
+def eval_command(cfg, args) -> int:
+    """Greedy speculative decoding of an exported drafter against its target: tau, its distribution,
+    target time saved, and a check that the output equals plain greedy decoding (exit 1 if not, in fp32)."""
+    from dflash_ray.config import require
+    from dflash_ray.data.prompts import find_tokenizer, read_prompts
+    from dflash_ray.model.evaluate import evaluate_acceptance
+
+    drafter_dir, target_dir = require(cfg, "drafter"), require(cfg, "target")
+    for key, d in (("drafter", drafter_dir), ("target", target_dir)):
+        if not (Path(d) / "config.json").exists():
+            raise UserError(f"{d}: no config.json (config key '{key}' must name a Hugging Face-format directory)")
+    tcfg, dcfg = (json.loads((Path(d) / "config.json").read_text()) for d in (target_dir, drafter_dir))
+    tcfg = tcfg.get("text_config", tcfg)
+    for key, want in (("hidden_size", tcfg.get("hidden_size")), ("num_target_layers", tcfg.get("num_hidden_layers"))):
+        if dcfg.get(key) != want:
+            raise UserError(f"{drafter_dir}: drafter {key} {dcfg.get(key)} does not fit target {target_dir} ({want})")
+    tok = find_tokenizer(cfg.data.tokenizer, target_dir)
+    prompts = read_prompts(require(cfg, "data.prompts"), tok, int(cfg.eval.max_prompts))
+    vocab = int(tcfg["vocab_size"])
+    for i, p in enumerate(prompts):
+        if not p or min(p) < 0 or max(p) >= vocab:
+            raise UserError(f"{cfg.data.prompts}: prompt {i + 1}: needs 1+ token ids in [0, {vocab}), got {p[:8]}")
+    stop = [tok.eos_token_id] if tok is not None and tok.eos_token_id is not None else None
+    stats = evaluate_acceptance(drafter_dir, target_dir, prompts, int(cfg.eval.max_new_tokens), stop_token_ids=stop)
+    print(json.dumps(stats, indent=2) if args.json else format_eval(stats))
+    if stats["outputs_match_greedy"]:
+        return 0
+    import torch
+
+    if torch.cuda.is_available():
+        # bf16: verifying a block and decoding one token can round differently without any bug
+        print("warning: speculative output differs from plain greedy decoding (bf16 rounding?)", file=sys.stderr)
+        return 0
+    return 1  # fp32: the outputs must be equal; a difference is a bug
 
 
 if __name__ == "__main__":

@@ -145,8 +145,8 @@ class DatasetFactory:
     """Called by Ray Train (in its controller) each time the worker group starts: the stream of the
     remaining steps from the latest registered checkpoint's cursor."""
 
-    def __init__(self, spec, tokens_ref, experiment_dir: str):
-        self.spec = spec
+    def __init__(self, run_spec, tokens_ref, experiment_dir: str):
+        self.run_spec = run_spec
         self.tokens = _Ref(tokens_ref)
         self.experiment_dir = experiment_dir
 
@@ -154,7 +154,7 @@ class DatasetFactory:
         from dflash_ray.runtime.checkpoint import latest_checkpoint_cursor
         from dflash_ray.runtime.feed import build_feed
 
-        s = self.spec
+        s = self.run_spec
         cursor = latest_checkpoint_cursor(self.experiment_dir)
         plans = {}
 
@@ -169,7 +169,7 @@ class DatasetFactory:
         import ray
         from ray.data import ActorPoolStrategy
 
-        s, c = self.spec, self.spec.cluster
+        s, c = self.run_spec, self.run_spec.cluster
         feed = self.feed()
         coord = ray.get_actor(s.coordinator, namespace=s.namespace)
         gen = ray.get(coord.reset_feed.remote(feed.total_steps, feed.cursor.as_dict(), s.batches_per_step,

@@ -1,0 +1,55 @@
+"""Prompts for `dflash-ray eval`: a jsonl file, one prompt a line, as {"conversations": [...]} (turns
+after the last user turn are dropped; the chat template's generation prompt is added), {"prompt":
+"text"} or {"input_ids": [...]}. No torch."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from dflash_ray.errors import UserError
+
+
+def find_tokenizer(*candidates):
+    """The first candidate directory that holds a tokenizer.json, loaded; None if none does."""
+    from dflash_ray.data.prepare import load_tokenizer
+
+    for cand in candidates:
+        if cand and (Path(cand) / "tokenizer.json").exists():
+            return load_tokenizer(cand)
+    return None
+
+
+def read_prompts(path: str, tok, limit: int) -> list[list[int]]:
+    """Token ids of up to `limit` prompts, each rendered as the serving engine renders it."""
+    src = Path(path)
+    if not src.is_file():
+        raise UserError(f"{src}: prompts file does not exist")
+    prompts = []
+    with open(src) as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise UserError(f"{src}: line {lineno}: malformed JSON ({e.msg})") from e
+            if isinstance(row, dict) and isinstance(row.get("input_ids"), list):
+                if not all(isinstance(x, int) for x in row["input_ids"]):
+                    raise UserError(f"{src}: line {lineno}: input_ids must be a list of integers")
+                prompts.append(row["input_ids"])
+            elif isinstance(row, dict) and ("conversations" in row or "prompt" in row):
+                if tok is None:
+                    raise UserError(f"{src}: line {lineno}: text prompts need a tokenizer (data.tokenizer=DIR)")
+                conv = row.get("conversations") or [{"role": "user", "content": str(row["prompt"])}]
+                users = [i for i, m in enumerate(conv) if isinstance(m, dict) and m.get("role") == "user"]
+                if not users:
+                    raise UserError(f"{src}: line {lineno}: no user turn to prompt with")
+                text = tok.apply_chat_template(conv[:users[-1] + 1], tokenize=False, add_generation_prompt=True)
+                prompts.append(tok(text, add_special_tokens=False)["input_ids"])
+            else:
+                raise UserError(f"{src}: line {lineno}: expected 'conversations', 'prompt' or 'input_ids'")
+            if len(prompts) >= limit:
+                break
+    if not prompts:
+        raise UserError(f"{src}: no prompts")
+    return prompts
