@@ -18,11 +18,19 @@ memory, and model FLOPs utilisation. FLOPs are counted, not estimated from param
 
 MFU = counted FLOPs / step time / peak. Peak: --peak-tflops, else 989 TFLOP/s (H100/H200 bf16 dense) on
 CUDA, else a measured fp32 matmul rate on the CPU (so CPU "MFU" means: fraction of what this CPU's matmul
-reaches). The table is printed last.
+reaches). The table is printed last, then the goals, each PASS, FAIL or n/a:
+
+    MFU >= 45%         docs/models.md: the Qwen3-8B drafter step on an H200 (bf16). It applies on CUDA at the
+                       Qwen3-8B shape only; on a CPU or at another shape it prints n/a (a CPU "MFU" is
+                       against a measured fp32 matmul rate, not the H200 figure the goal is set for)
+    loss finite        every timed step's loss is a finite number (applies everywhere)
+
+With --check the exit code is 1 when any goal fails.
 """
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import resource
 import sys
@@ -35,6 +43,7 @@ from dflash_ray.model.drafter import DFlashDrafter, drafter_config  # noqa: E402
 
 QWEN3_8B = dict(hidden=4096, layers=5, heads=32, kv_heads=8, head_dim=128, intermediate=12288,
                 vocab=151936, block=16, anchors=512, context=3072, target_layers=36, batch=1)
+MFU_GOAL = 0.45  # docs/models.md: the Qwen3-8B drafter step on an H200
 CPU_SMALL = dict(hidden=256, layers=2, heads=4, kv_heads=2, head_dim=64, intermediate=768,
                  vocab=8192, block=16, anchors=32, context=512, target_layers=12, batch=1)
 
@@ -51,6 +60,7 @@ def parse_args():
     p.add_argument("--peak-tflops", type=float, default=None)
     p.add_argument("--ce-chunk-rows", type=int, default=1024)
     p.add_argument("--threads", type=int, default=1, help="CPU threads (1: steadier on a shared machine)")
+    p.add_argument("--check", action="store_true", help="exit 1 when any goal fails")
     return p.parse_args()
 
 
@@ -148,13 +158,14 @@ def main():
     sync()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    times, flops = [], []
+    times, flops, losses = [], [], []
     for _ in range(steps):
         sync()
         t = time.perf_counter()
         out = step()
         sync()
         times.append(time.perf_counter() - t)
+        losses.append(float(out.loss_sum.detach()) / max(float(out.weight_sum), 1e-30))
         # The anchors this step trained on: same generator state, replayed (after the timed region).
         anchors, _ = drafter.sample_anchors(loss_mask, lengths, replay)
         flops.append(count_flops(shape, anchors, int(out.slot_count.sum()))["total"])
@@ -193,6 +204,29 @@ def main():
     print("\nDFlash drafter training step")
     for k, v in rows:
         print(f"  {k:<{width}}  {v}")
+
+    mfu = flops / elapsed / peak
+    if not cuda:
+        mfu_ok, mfu_note = None, "on CPU; the goal is for an H200 at the Qwen3-8B shape"
+    elif shape != QWEN3_8B:
+        mfu_ok, mfu_note = None, "shape differs from Qwen3-8B; the goal is set for that shape"
+    else:
+        mfu_ok, mfu_note = mfu >= MFU_GOAL, f"vs {peak / 1e12:.0f} TFLOP/s peak"
+    finite = all(math.isfinite(x) for x in losses)
+    goals = [
+        (f"MFU (goal >= {100 * MFU_GOAL:.0f}%)", f"{100 * mfu:.1f}%", mfu_ok, mfu_note),
+        ("loss finite on every timed step", f"{losses[-1]:.4f}", finite, f"{len(losses)} steps"),
+    ]
+    print("\ngoals")
+    gw = max(len(g[0]) for g in goals)
+    for what, value, ok, note in goals:
+        verdict = "n/a" if ok is None else ("PASS" if ok else "FAIL")
+        print(f"  {what:<{gw}}  {value:>8}  {verdict:<4}  ({note})")
+    failed = sum(ok is False for _, _, ok, _ in goals)
+    applied = sum(ok is not None for _, _, ok, _ in goals)
+    print(f"  {applied - failed} of {applied} applicable goals met" + (f", {failed} FAILED" if failed else ""))
+    if args.check and failed:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

@@ -93,21 +93,21 @@ def main(argv=None) -> int:
     base = [f"run.root={root}", "run.name=bench", f"train.max_steps={args.steps}",
             f"train.checkpoint_every={args.steps}", *args.overrides]
     quiet = lambda *a, **k: None  # noqa: E731
-    spec = resolve_spec(compose_config(base), log=quiet)
-    plain = plain_loop(spec, args.steps, args.threads)
+    run_spec = resolve_spec(compose_config(base), log=quiet)
+    plain = plain_loop(run_spec, args.steps, args.threads)
     print(f"plain single-process loop: {plain['tokens_per_second']:.0f} tokens/s "
           f"({plain['steps']} steps, {plain['threads']} threads)", flush=True)
 
     # the Ray run trains the same batches (its own run directory, same data and target)
-    ray_cfg = compose_config(base + ["run.name=bench_ray", f"data.input={spec.run_dir}/corpus.jsonl",
-                                     f"data.tokenizer={spec.tokenizer}", f"data.shards={spec.shards}",
-                                     f"model.target_path={spec.target_path}"])
+    ray_cfg = compose_config(base + ["run.name=bench_ray", f"data.input={run_spec.run_dir}/corpus.jsonl",
+                                     f"data.tokenizer={run_spec.tokenizer}", f"data.shards={run_spec.shards}",
+                                     f"model.target_path={run_spec.target_path}"])
     t0 = time.time()
     ray_spec, summary = main_job(ray_cfg, progress=False, log=quiet, plan_log=quiet)
     ray_wall = time.time() - t0
     ratio = summary["tokens_per_second"] / plain["tokens_per_second"]
     m = summary["measured"]
-    n_dev = spec.cluster.target_workers + spec.cluster.drafter_workers
+    n_dev = run_spec.cluster.target_workers + run_spec.cluster.drafter_workers
     cap = best_split(max(n_dev, 2), m["target_tokens_per_second_per_actor"], m["drafter_tokens_per_second_per_worker"])
     result = {"plain": plain, "ray": {"steps": summary["steps"], "tokens": summary["tokens"],
                                       "tokens_per_second": summary["tokens_per_second"],
@@ -115,14 +115,14 @@ def main(argv=None) -> int:
                                       "target_actors": summary["target_actors"], "measured": m,
                                       "max_batches_in_flight": summary["max_batches_in_flight"]},
               "ratio": ratio, "goal": GOAL, "pass": ratio >= GOAL, "capacity": cap,
-              "config": {"drafter_workers": spec.cluster.drafter_workers, "target_workers": spec.cluster.target_workers,
-                         "grad_accum": spec.train.grad_accum, "cpus": os.cpu_count()}}
+              "config": {"drafter_workers": run_spec.cluster.drafter_workers, "target_workers": run_spec.cluster.target_workers,
+                         "grad_accum": run_spec.train.grad_accum, "cpus": os.cpu_count()}}
     failed = 1 if (args.check and ratio < GOAL) else 0
     if args.json:
         print(json.dumps(result, indent=2, default=str))
         return failed
     print(f"ray pipeline:              {summary['tokens_per_second']:.0f} tokens/s "
-          f"({summary['steps']} steps, {spec.cluster.drafter_workers} drafter workers, {spec.cluster.target_workers} target "
+          f"({summary['steps']} steps, {run_spec.cluster.drafter_workers} drafter workers, {run_spec.cluster.target_workers} target "
           f"actor(s); job wall time incl. start-up {ray_wall:.0f}s)")
     print(f"ratio ray / plain:         {ratio:.2f}  (goal >= {GOAL}: {'PASS' if ratio >= GOAL else 'FAIL'})")
     print(f"final loss: plain {plain['final_loss']:.4f}, ray {summary['final_loss']:.4f} (same batches)")

@@ -34,7 +34,7 @@ class TrainRun:
     def __call__(self, name: str, overrides=(), during=None, timeout: float = 400):
         import threading
 
-        from dflash_ray.runtime.driver import main_job
+        from dflash_ray.train import main_job
 
         cfg = self.config(name, overrides)
         out = {}

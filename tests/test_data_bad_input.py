@@ -1,11 +1,12 @@
 """Bad shards: exit code 2 and one line naming the file (and row) and what is wrong; never a hang."""
+import json
 import subprocess
 import sys
 
 import numpy as np
 import pyarrow as pa
 import pytest
-from helpers_data import write_shard
+from helpers_data import corrupt_column_pages, write_shard
 
 from dflash_ray.cli import run_command
 
@@ -90,7 +91,7 @@ def test_missing_and_empty_directories(tmp_path, capsys):
 
 
 def test_console_script_exit_code_and_debug_traceback(tmp_path):
-    exe = [sys.executable, "-m", "dflash_ray.plan", f"data.shards={tmp_path}/missing"]
+    exe = [sys.executable, "-m", "dflash_ray", "plan", f"data.shards={tmp_path}/missing"]
     r = subprocess.run(exe, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
     r = subprocess.run(exe + ["--debug"], capture_output=True, text=True, timeout=120)
@@ -114,6 +115,20 @@ def test_plan_checks_the_whole_schema_without_reading_tokens(tmp_path, capsys):
     _drop(path, "loss_mask")
     rc, err = _plan(tmp_path / "s", capsys)
     assert rc == 2 and "bad.parquet: missing column 'loss_mask'" in err[0]
+
+
+@pytest.mark.parametrize("columns", [("input_ids", "loss_mask"), ("input_ids",), ("loss_mask",)])
+def test_plan_reads_only_sample_id_and_num_tokens_and_check_reads_the_token_columns(columns, tmp_path, capsys):
+    # token pages that cannot be decoded: plan (2 columns read) does not notice; plan --check must
+    _good(tmp_path)
+    corrupt_column_pages(write_shard(tmp_path / "s" / "tok.parquet", range(100, 130), [90] * 30, seed=1), columns)
+    rc = run_command("plan", [f"data.shards={tmp_path / 's'}", "--json"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    s = json.loads(out)
+    assert s["samples"]["kept"] == 70 and s["tokens"] == 40 * 80 + 30 * 90
+    rc, err = _plan(tmp_path / "s", capsys, "--check")
+    assert rc == 2 and len(err) == 1 and "tok.parquet: unreadable data" in err[0], err
 
 
 def test_nothing_left_to_plan_is_one_clear_line(tmp_path, capsys):

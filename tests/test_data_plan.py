@@ -52,7 +52,20 @@ def test_padding_efficiency_on_a_realistic_distribution_beats_fixed_size_batches
     lengths = realistic_lengths(50000, seed=2)
     plan = build_plan(np.arange(lengths.size), lengths, spec(), seed=0)
     s = plan.summary()
-    assert s["padding_efficiency"] >= 0.95
+    # recomputed from the input lengths (by sample id, truncated at the last boundary), not from the
+    # plan's own token counts: real = sum of a batch's lengths, padded = rows x its longest row
+    lens = np.minimum(lengths, SEED_BOUNDS[-1])[plan.sample_ids]
+    starts, rows = plan.offsets[:-1], np.diff(plan.offsets)
+    real = np.add.reduceat(lens, starts)
+    padded = rows * np.maximum.reduceat(lens, starts)
+    assert real.sum() == np.minimum(lengths, SEED_BOUNDS[-1]).sum() == s["tokens"]
+    assert s["padded_tokens"] == padded.sum() and (padded <= 16384).all()
+    assert s["padding_efficiency"] == pytest.approx(real.sum() / padded.sum(), rel=1e-12)
+    for r in s["buckets"]:
+        sel = plan.bucket == r["bucket"]
+        assert r["samples"] == rows[sel].sum() and r["batches"] == sel.sum() and r["tokens"] == real[sel].sum()
+        assert r["padding_efficiency"] == pytest.approx(real[sel].sum() / padded[sel].sum(), rel=1e-12)
+    assert real.sum() / padded.sum() >= 0.95
     # the usual approach: shuffled fixed-size batches padded to their longest sample
     rng = np.random.default_rng(0)
     fixed = rng.permutation(np.minimum(lengths, 8192))[: lengths.size // 8 * 8].reshape(-1, 8)
@@ -99,3 +112,46 @@ def test_plan_from_config_reads_shards_and_dumps_rows(tmp_path):
     assert np.array_equal(flat, plan.sample_ids)
     tail = plan.to_arrow(start=3)
     assert tail.num_rows == plan.num_batches - 3 and tail.column("sample_ids")[0].as_py() == plan.batch(3).tolist()
+
+
+def _longest_row(plan, lengths):
+    """Each batch's longest row, from the input lengths by sample id (ids are 0..n-1 here)."""
+    return np.maximum.reduceat(np.minimum(lengths, SEED_BOUNDS[-1])[plan.sample_ids], plan.offsets[:-1])
+
+
+def test_batches_of_a_bucket_come_in_random_order_not_by_length():
+    # inside a bucket, batches are cut from length-sorted chunks but drawn in a fresh random order: the
+    # sequence of a bucket's batches (as the plan draws them) must not run longest- or shortest-first,
+    # neither over the whole bucket nor chunk by chunk. For a random order, a batch is shorter than the
+    # one before it half the time (ties left out); sorted orders give 0 or 1, sorted chunks ~63/64.
+    lengths = realistic_lengths(20000, seed=11)
+    for epoch in (0, 1):
+        plan = build_plan(np.arange(lengths.size), lengths, spec(), seed=0, epoch=epoch)
+        longest = _longest_row(plan, lengths)
+        downs = ups = 0
+        for b in range(len(SEED_BOUNDS)):
+            step = np.sign(np.diff(longest[plan.bucket == b]))
+            d, u = int((step < 0).sum()), int((step > 0).sum())
+            assert d + u >= 100  # enough batches in every bucket for the bounds below (4 sigma)
+            assert 0.3 < d / (d + u) < 0.7, (epoch, b, d, u)
+            downs, ups = downs + d, ups + u
+        assert 0.45 < downs / (downs + ups) < 0.55, (epoch, downs, ups)
+
+
+def test_another_epoch_changes_batch_mates_and_the_same_epoch_repeats_them():
+    lengths = realistic_lengths(20000, seed=12)
+
+    def mates(epoch):
+        plan = build_plan(np.arange(lengths.size), lengths, spec(), seed=3, epoch=epoch)
+        out = {}
+        for k in range(plan.num_batches):
+            members = plan.batch(k).tolist()
+            for i in members:
+                out[i] = frozenset(members) - {i}
+        return out
+
+    a, again, other = mates(4), mates(4), mates(5)
+    assert a == again
+    shared = [i for i in a if a[i]]  # samples that have batch-mates at all
+    assert len(shared) > 0.9 * lengths.size
+    assert sum(a[i] == other[i] for i in shared) < 0.02 * len(shared)  # almost everyone has new mates

@@ -119,3 +119,65 @@ def test_prepare_refuses_foreign_output_dirs_and_bad_encodings_and_templates(tok
     rc = run_command("prepare", [f"data.input={src2}", f"data.output={tmp_path}/r", f"data.tokenizer={strict}", "model.block_size=2"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and "d.jsonl: line 1: chat template failed (no users here)" in err[0], err
+
+
+def _counting(m: int) -> dict:
+    """A one-turn conversation whose answer is '1 2 ... m'."""
+    return {"conversations": [{"role": "user", "content": f"Count from 1 to {m}."},
+                              {"role": "assistant", "content": " ".join(map(str, range(1, m + 1)))}]}
+
+
+def _supervised(tok, m: int) -> int:
+    """Supervised tokens of _counting(m), by the rule: the answer's tokens plus its end-of-turn token. With
+    this tokenizer '1 2 ... m' is m tokens ('1', ' 2', ..., ' m'), checked here so the counts below hold."""
+    answer = " ".join(map(str, range(1, m + 1)))
+    assert tok.tokenize(answer) == ["1"] + [f"\u0120{i}" for i in range(2, m + 1)]
+    return m + 1
+
+
+def test_sample_id_is_the_input_line_index_so_dropped_lines_leave_gaps(tok_dir, tmp_path, capsys):
+    _, tokdir = tok_dir
+    tok = AutoTokenizer.from_pretrained(str(tokdir))
+    lines = [_counting(9),                                            # line 1 -> id 0
+             "",                                                      # line 2: empty
+             {"conversations": [{"role": "user", "content": "hi"}]},  # line 3: no assistant turn
+             _counting(10),                                           # line 4 -> id 3
+             _counting(3),                                            # line 5: 4 supervised < 8
+             "   ",                                                   # line 6: blank
+             _counting(11)]                                           # line 7 -> id 6
+    src = write_jsonl(tmp_path / "c.jsonl", lines)
+    rc = run_command("prepare", [f"data.input={src}", f"data.tokenizer={tokdir}", f"data.output={tmp_path}/o",
+                                 "model.block_size=4", "data.shard_size=2", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["samples"] == 3 and out["shards"] == 2
+    assert out["dropped"] == {"empty_line": 2, "no_assistant_turn": 1, "too_few_supervised_tokens": 1}
+    shards = [pq.read_table(p) for p in list_shards(tmp_path / "o")]
+    assert [t.column("sample_id").to_pylist() for t in shards] == [[0, 3], [6]]
+    # each id holds the conversation of its line
+    rows = [r for t in shards for r in t.to_pylist()]
+    for row, m in zip(rows, (9, 10, 11)):
+        assert tok.decode(row["input_ids"]) == tok.apply_chat_template(_counting(m)["conversations"], tokenize=False)
+        assert sum(row["loss_mask"]) == _supervised(tok, m)
+
+
+def test_min_supervised_is_two_blocks_inclusive(tok_dir, tmp_path, capsys):
+    # block_size 4: a sample needs at least 2 x 4 = 8 supervised tokens; exactly 8 is kept, 7 is dropped
+    _, tokdir = tok_dir
+    tok = AutoTokenizer.from_pretrained(str(tokdir))
+    assert (_supervised(tok, 7), _supervised(tok, 6), _supervised(tok, 8)) == (8, 7, 9)
+    src = write_jsonl(tmp_path / "c.jsonl", [_counting(6), _counting(7), _counting(8)])
+    rc = run_command("prepare", [f"data.input={src}", f"data.tokenizer={tokdir}", f"data.output={tmp_path}/o",
+                                 "model.block_size=4", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert rc == 0 and out["dropped"] == {"too_few_supervised_tokens": 1}
+    t = pq.read_table(list_shards(tmp_path / "o")[0])
+    assert t.column("sample_id").to_pylist() == [1, 2]
+    assert [sum(m) for m in t.column("loss_mask").to_pylist()] == [8, 9] and out["supervised_tokens"] == 17
+    # block_size 3 (6 tokens) keeps all three; block_size 5 (10 tokens) keeps none and says so
+    rc = run_command("prepare", [f"data.input={src}", f"data.tokenizer={tokdir}", f"data.output={tmp_path}/p",
+                                 "model.block_size=3", "--json"])
+    assert rc == 0 and json.loads(capsys.readouterr().out)["samples"] == 3
+    rc = run_command("prepare", [f"data.input={src}", f"data.tokenizer={tokdir}", f"data.output={tmp_path}/q",
+                                 "model.block_size=5"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "no usable conversations (dropped: {'too_few_supervised_tokens': 3})" in err, err

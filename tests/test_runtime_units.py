@@ -31,20 +31,20 @@ def _plans(num_samples=300, seed=0):
     return plan_for
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
-def test_feed_covers_each_epoch_once_in_plan_order(world):
+@pytest.mark.parametrize("per_step", [1, 2, 3, 4])
+def test_feed_covers_each_epoch_once_in_plan_order(per_step):
     plan_for = _plans()
-    feed = build_feed(plan_for, Cursor(), world, epochs=2, max_steps=None)
+    feed = build_feed(plan_for, Cursor(), per_step, epochs=2, max_steps=None)
     t = feed.table.to_pydict()
-    assert feed.num_rows == feed.steps * world and t["index"] == list(range(feed.num_rows))
+    assert feed.num_rows == feed.steps * per_step and t["index"] == list(range(feed.num_rows))
     for e in (0, 1):
         n = plan_for(e).num_batches
         pos = [p for p, ep in zip(t["position"], t["epoch"]) if ep == e]
         real = [p for p in pos if p != FILLER]
         assert real == list(range(n))                       # plan order, every batch once
-        assert len(pos) % world == 0                        # a step never spans two epochs
+        assert len(pos) % per_step == 0                        # a step never spans two epochs
         assert all(p == FILLER for p in pos[n:])            # fillers only at the epoch's tail
-        assert feed.epoch_steps[e] == math.ceil(n / world)
+        assert feed.epoch_steps[e] == math.ceil(n / per_step)
     # rows carry the plan's batches
     k = t["position"].index(5)
     assert t["sample_ids"][k] == plan_for(0).batch(5).tolist()
