@@ -63,7 +63,7 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--check", action="store_true", help="exit 1 when any goal fails")
     args = ap.parse_args()
-    spec = PlanSpec(SEED_BOUNDS, 16384, min_tokens=32)
+    plan_spec = PlanSpec(SEED_BOUNDS, 16384, min_tokens=32)
     big, small = args.samples, args.samples // 10
 
     rows = []
@@ -74,8 +74,8 @@ def main() -> None:
     times = {}
     for n in (small, big):
         lengths, ids = realistic_lengths(n), np.arange(n)
-        times[n] = best_of(lambda: build_plan(ids, lengths, spec, seed=0, epoch=0), args.repeats)
-    plan = build_plan(np.arange(big), realistic_lengths(big), spec, seed=0)
+        times[n] = best_of(lambda: build_plan(ids, lengths, plan_spec, seed=0, epoch=0), args.repeats)
+    plan = build_plan(np.arange(big), realistic_lengths(big), plan_spec, seed=0)
     s = plan.summary()
 
     print("\n== planning cost (best of %d) ==" % args.repeats)

@@ -12,7 +12,7 @@ from dflash_ray.errors import UserError
 SEED_BOUNDS = [512, 1024, 1536, 2304, 3296, 8192]
 
 
-def spec(**kw):
+def plan_spec(**kw):
     base = dict(boundaries=SEED_BOUNDS, max_tokens_per_batch=16384, min_tokens=32)
     base.update(kw)
     return PlanSpec(**base)
@@ -33,7 +33,7 @@ def test_every_kept_sample_is_planned_exactly_once_in_one_bucket_batches_within_
     n = 20000
     lengths = realistic_lengths(n, seed=1)
     ids = np.arange(n) * 7 + 3
-    plan = build_plan(ids, lengths, spec(), seed=0, epoch=0)
+    plan = build_plan(ids, lengths, plan_spec(), seed=0, epoch=0)
     assert plan.counts["kept"] == n and np.array_equal(np.sort(plan.sample_ids), ids)
     by_id = dict(zip(ids.tolist(), np.minimum(lengths, 8192).tolist()))
     bounds = np.array([0] + SEED_BOUNDS)
@@ -50,7 +50,7 @@ def test_every_kept_sample_is_planned_exactly_once_in_one_bucket_batches_within_
 
 def test_padding_efficiency_on_a_realistic_distribution_beats_fixed_size_batches():
     lengths = realistic_lengths(50000, seed=2)
-    plan = build_plan(np.arange(lengths.size), lengths, spec(), seed=0)
+    plan = build_plan(np.arange(lengths.size), lengths, plan_spec(), seed=0)
     s = plan.summary()
     # recomputed from the input lengths (by sample id, truncated at the last boundary), not from the
     # plan's own token counts: real = sum of a batch's lengths, padded = rows x its longest row
@@ -75,10 +75,10 @@ def test_padding_efficiency_on_a_realistic_distribution_beats_fixed_size_batches
 def test_plan_is_a_pure_function_and_batches_reshuffle_every_epoch():
     lengths = realistic_lengths(5000, seed=3)
     ids = np.arange(5000)
-    a = build_plan(ids, lengths, spec(), seed=5, epoch=2)
-    b = build_plan(ids[::-1].copy(), lengths[::-1].copy(), spec(), seed=5, epoch=2)  # shard order differs
+    a = build_plan(ids, lengths, plan_spec(), seed=5, epoch=2)
+    b = build_plan(ids[::-1].copy(), lengths[::-1].copy(), plan_spec(), seed=5, epoch=2)  # shard order differs
     assert np.array_equal(a.sample_ids, b.sample_ids) and np.array_equal(a.offsets, b.offsets)
-    c = build_plan(ids, lengths, spec(), seed=5, epoch=3)
+    c = build_plan(ids, lengths, plan_spec(), seed=5, epoch=3)
     pairs = lambda p: {frozenset(p.batch(k)[:2].tolist()) for k in range(p.num_batches) if p.offsets[k + 1] - p.offsets[k] > 1}
     assert len(pairs(a) & pairs(c)) < 0.2 * len(pairs(a))  # who shares a batch changes
     assert not np.array_equal(a.bucket, c.bucket)
@@ -86,18 +86,18 @@ def test_plan_is_a_pure_function_and_batches_reshuffle_every_epoch():
 
 def test_plan_order_follows_the_interleave_strategy():
     lengths = realistic_lengths(20000, seed=4)
-    plan = build_plan(np.arange(lengths.size), lengths, spec(strategy="default"), seed=0)
+    plan = build_plan(np.arange(lengths.size), lengths, plan_spec(strategy="default"), seed=0)
     order = plan.summary()["order"]
     assert order["longest_run"] == order["least_possible_longest_run"]
-    seq = build_plan(np.arange(lengths.size), lengths, spec(strategy="sequential"), seed=0)
+    seq = build_plan(np.arange(lengths.size), lengths, plan_spec(strategy="sequential"), seed=0)
     assert (np.diff(seq.bucket) >= 0).all()
 
 
 def test_config_validation_names_the_key():
     with pytest.raises(UserError, match="data.max_tokens_per_batch"):
-        spec(max_tokens_per_batch=4096).validate()
+        plan_spec(max_tokens_per_batch=4096).validate()
     with pytest.raises(UserError, match="data.bucket_boundaries"):
-        spec(boundaries=[512, 256]).validate()
+        plan_spec(boundaries=[512, 256]).validate()
 
 
 def test_plan_from_config_reads_shards_and_dumps_rows(tmp_path):
@@ -126,7 +126,7 @@ def test_batches_of_a_bucket_come_in_random_order_not_by_length():
     # one before it half the time (ties left out); sorted orders give 0 or 1, sorted chunks ~63/64.
     lengths = realistic_lengths(20000, seed=11)
     for epoch in (0, 1):
-        plan = build_plan(np.arange(lengths.size), lengths, spec(), seed=0, epoch=epoch)
+        plan = build_plan(np.arange(lengths.size), lengths, plan_spec(), seed=0, epoch=epoch)
         longest = _longest_row(plan, lengths)
         downs = ups = 0
         for b in range(len(SEED_BOUNDS)):
@@ -142,7 +142,7 @@ def test_another_epoch_changes_batch_mates_and_the_same_epoch_repeats_them():
     lengths = realistic_lengths(20000, seed=12)
 
     def mates(epoch):
-        plan = build_plan(np.arange(lengths.size), lengths, spec(), seed=3, epoch=epoch)
+        plan = build_plan(np.arange(lengths.size), lengths, plan_spec(), seed=3, epoch=epoch)
         out = {}
         for k in range(plan.num_batches):
             members = plan.batch(k).tolist()

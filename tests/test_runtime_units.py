@@ -20,12 +20,12 @@ from dflash_ray.runtime.step import lr_lambda
 def _plans(num_samples=300, seed=0):
     rng = np.random.default_rng(0)
     lengths = rng.integers(40, 500, size=num_samples)
-    spec = PlanSpec(boundaries=[96, 192, 512], max_tokens_per_batch=1024, min_tokens=16)
+    plan_spec = PlanSpec(boundaries=[96, 192, 512], max_tokens_per_batch=1024, min_tokens=16)
     cache = {}
 
     def plan_for(e):
         if e not in cache:
-            cache[e] = build_plan(np.arange(num_samples), lengths, spec, seed=seed, epoch=e)
+            cache[e] = build_plan(np.arange(num_samples), lengths, plan_spec, seed=seed, epoch=e)
         return cache[e]
 
     return plan_for

@@ -38,7 +38,7 @@ class PlanSpec:
 
     @classmethod
     def from_config(cls, cfg) -> "PlanSpec":
-        spec = cls(
+        plan_spec = cls(
             boundaries=[int(x) for x in cfg.data.bucket_boundaries],
             max_tokens_per_batch=int(cfg.data.max_tokens_per_batch),
             overlong=str(cfg.data.overlong),
@@ -46,8 +46,8 @@ class PlanSpec:
             min_tokens=2 * int(cfg.model.block_size),
             strategy=str(cfg.data.interleave),
         )
-        spec.validate()
-        return spec
+        plan_spec.validate()
+        return plan_spec
 
 
 @dataclass
@@ -55,7 +55,7 @@ class Plan:
     """Batch at position k: bucket[k], samples sample_ids[offsets[k]:offsets[k+1]] (longest first)."""
     epoch: int
     seed: int
-    spec: PlanSpec
+    plan_spec: PlanSpec
     bucket: np.ndarray       # int32 [N]
     offsets: np.ndarray      # int64 [N+1]
     sample_ids: np.ndarray   # int64 [M]
@@ -90,18 +90,18 @@ class Plan:
         })
 
     def summary(self) -> dict:
-        k = len(self.spec.boundaries)
+        k = len(self.plan_spec.boundaries)
         sizes = np.diff(self.offsets)
         tokens = self.batch_tokens()
         padded = self.padded_tokens()
-        lower = [0] + list(self.spec.boundaries[:-1])
+        lower = [0] + list(self.plan_spec.boundaries[:-1])
         rows = []
         n = max(self.num_batches, 1)
         for b in range(k):
             sel = self.bucket == b
             rows.append({
                 "bucket": b,
-                "range": f"{lower[b] + 1}-{self.spec.boundaries[b]}",
+                "range": f"{lower[b] + 1}-{self.plan_spec.boundaries[b]}",
                 "samples": int(sizes[sel].sum()),
                 "batches": int(sel.sum()),
                 "tokens": int(tokens[sel].sum()),
@@ -111,36 +111,36 @@ class Plan:
         return {
             "epoch": self.epoch,
             "seed": self.seed,
-            "strategy": self.spec.strategy,
+            "strategy": self.plan_spec.strategy,
             "samples": self.counts,
             "batches": self.num_batches,
             "tokens": int(tokens.sum()),
             "padded_tokens": int(padded.sum()),
             "padding_efficiency": float(tokens.sum() / max(padded.sum(), 1)),
-            "max_tokens_per_batch": self.spec.max_tokens_per_batch,
+            "max_tokens_per_batch": self.plan_spec.max_tokens_per_batch,
             "buckets": rows,
             "order": order_measures(self.bucket, k),
         }
 
 
-def build_plan(sample_ids, num_tokens, spec: PlanSpec, *, seed: int = 0, epoch: int = 0) -> Plan:
-    spec.validate()
+def build_plan(sample_ids, num_tokens, plan_spec: PlanSpec, *, seed: int = 0, epoch: int = 0) -> Plan:
+    plan_spec.validate()
     sample_ids = np.asarray(sample_ids, dtype=np.int64)
     num_tokens = np.asarray(num_tokens, dtype=np.int64)
     if sample_ids.size > 1 and not (np.diff(sample_ids) > 0).all():
         # the plan must not depend on shard file order: work in sample_id order
         o = np.argsort(sample_ids, kind="stable")
         sample_ids, num_tokens = sample_ids[o], num_tokens[o]
-    bk = assign_buckets(num_tokens, spec.boundaries, overlong=spec.overlong, min_tokens=spec.min_tokens)
+    bk = assign_buckets(num_tokens, plan_spec.boundaries, overlong=plan_spec.overlong, min_tokens=plan_spec.min_tokens)
     rng = np.random.default_rng([int(seed), int(epoch), 1000])  # its own stream: interleave salts are 0..4
-    batches = form_batches(bk.length, bk.bucket, spec.boundaries, spec.max_tokens_per_batch,
-                           spec.chunk_batches, rng)
+    batches = form_batches(bk.length, bk.bucket, plan_spec.boundaries, plan_spec.max_tokens_per_batch,
+                           plan_spec.chunk_batches, rng)
     if batches.bucket.size == 0:
         raise UserError(f"no samples left to plan: {sample_ids.size} in, {bk.dropped_short} shorter than "
-                        f"{spec.min_tokens} tokens (2 x block_size), {bk.dropped_overlong} over the last "
-                        f"bucket boundary {spec.boundaries[-1]} (data.overlong=drop)")
-    counts_per_bucket = np.bincount(batches.bucket, minlength=len(spec.boundaries))
-    order = interleave_order(counts_per_bucket, strategy=spec.strategy, seed=seed, epoch=epoch)
+                        f"{plan_spec.min_tokens} tokens (2 x block_size), {bk.dropped_overlong} over the last "
+                        f"bucket boundary {plan_spec.boundaries[-1]} (data.overlong=drop)")
+    counts_per_bucket = np.bincount(batches.bucket, minlength=len(plan_spec.boundaries))
+    order = interleave_order(counts_per_bucket, strategy=plan_spec.strategy, seed=seed, epoch=epoch)
     # position k takes the next unused batch of bucket order[k]; `shuffled` is grouped by bucket, so a
     # stable sort of the order lines positions up with it
     pick = np.empty(order.size, dtype=np.int64)
@@ -149,7 +149,7 @@ def build_plan(sample_ids, num_tokens, spec: PlanSpec, *, seed: int = 0, epoch: 
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
     gather = np.repeat(batches.offsets[:-1][pick] - offsets[:-1], sizes) + np.arange(offsets[-1])
     return Plan(
-        epoch=int(epoch), seed=int(seed), spec=spec,
+        epoch=int(epoch), seed=int(seed), plan_spec=plan_spec,
         bucket=order, offsets=offsets,
         sample_ids=sample_ids[batches.members[gather]], lengths=batches.lengths[gather],
         max_len=batches.max_len[pick],
@@ -162,7 +162,7 @@ def plan_from_config(cfg, epoch: int | None = None) -> Plan:
     from dflash_ray.config import require
     from dflash_ray.data.shards import read_lengths
 
-    spec = PlanSpec.from_config(cfg)
+    plan_spec = PlanSpec.from_config(cfg)
     sample_ids, num_tokens, _ = read_lengths(require(cfg, "data.shards"))
-    return build_plan(sample_ids, num_tokens, spec, seed=int(cfg.seed),
+    return build_plan(sample_ids, num_tokens, plan_spec, seed=int(cfg.seed),
                       epoch=int(cfg.plan.epoch if epoch is None else epoch))
