@@ -37,8 +37,8 @@ def plain_loop(run_spec, steps: int, threads: int) -> dict:
     from dflash_ray.data.shards import read_all
     from dflash_ray.model.target import load_feature_extractor
     from dflash_ray.runtime.feed import Cursor, build_feed
-    from dflash_ray.runtime.pipeline import TokenStore
-    from dflash_ray.runtime.rows import FILLER, TrainRow, encode_features, token_row
+    from dflash_ray.runtime.pipeline import TokenStore, target_context
+    from dflash_ray.runtime.rows import FILLER, TrainRow, token_row
     from dflash_ray.runtime.step import LossModule, build_run_drafter, make_optimizer, train_step
 
     torch.set_num_threads(threads)
@@ -59,9 +59,7 @@ def plain_loop(run_spec, steps: int, threads: int) -> dict:
                 continue  # the plain loop has no collective to keep in step
             lengths = np.asarray(row["lengths"])
             ids, mask = store.batch(np.asarray(row["sample_ids"]), lengths, run_spec.pad_token_id)
-            attn = (torch.arange(ids.shape[1])[None] < torch.from_numpy(lengths)[:, None]).long()
-            with torch.no_grad():
-                context, dtype = encode_features(target(torch.from_numpy(ids.astype(np.int64)), attn))
+            context, dtype = target_context(target, ids, lengths, "cpu")
             cols = token_row(row, 0, ids, mask, lengths)
             batch.append(TrainRow.from_batch({**cols, "context": context[None], "context_dtype": np.array([dtype])}))
         result = train_step(model, drafter, opt, sched, batch, rank=0, workers=1, batches_per_step=len(batch),

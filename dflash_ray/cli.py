@@ -192,15 +192,14 @@ def train_command(cfg, args) -> int:
 
 def export_command(cfg, args) -> int:
     """Export the latest checkpoint of a run (local or remote storage) to <run.dir>/export."""
-    from dflash_ray.runtime.checkpoint import export_checkpoint, latest_checkpoint_path
+    from dflash_ray.runtime.checkpoint import export_latest
     from dflash_ray.runtime.spec import resolve_spec
 
     run_spec = resolve_spec(cfg, log=lambda *a, **k: None)
-    checkpoint = latest_checkpoint_path(run_spec.experiment_dir)
-    if checkpoint is None:
+    exported = export_latest(run_spec)
+    if exported is None:
         raise UserError(f"{run_spec.experiment_dir}: no checkpoint to export (train the run first)")
-    out = export_checkpoint(run_spec, checkpoint, str(Path(run_spec.run_dir) / "export"))
-    print(f"exported {checkpoint} -> {out}")
+    print(f"exported {exported[0]} -> {exported[1]}")
     return 0
 
 

@@ -22,7 +22,7 @@ def main_job(cfg, *, progress: bool = True, log=print, plan_log=print):
     """The whole main job. Returns (run_spec, summary)."""
     from dflash_ray.atomic import write_json_atomic
     from dflash_ray.data.report import format_plan
-    from dflash_ray.runtime.checkpoint import export_checkpoint
+    from dflash_ray.runtime.checkpoint import export_latest
     from dflash_ray.runtime.cluster import check_resources, ray_cluster
     from dflash_ray.runtime.spec import resolve_spec
     from dflash_ray.runtime.summary import build_summary
@@ -38,9 +38,7 @@ def main_job(cfg, *, progress: bool = True, log=print, plan_log=print):
 
     summary = build_summary(run_spec, plan_summary, outcome.report, started=outcome.started,
                             wall_seconds=outcome.wall_seconds)
-    if summary["checkpoint"]:
-        export_checkpoint(run_spec, summary["checkpoint"], summary["export"])
-    else:
+    if export_latest(run_spec) is None:
         summary["export"] = None
     write_json_atomic(Path(run_spec.run_dir) / "summary.json", summary)
     return run_spec, summary

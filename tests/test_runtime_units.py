@@ -164,19 +164,17 @@ def test_checkpoint_manifest_detects_incomplete(tmp_path):
 def test_checkpoint_lookup_reads_ray_trains_record_on_any_filesystem(tmp_path, uri):
     """One reader (pyarrow's filesystem layer) for the cursor, the latest checkpoint and its files, so
     a URI storage path (s3://, gs://; file:// here) goes the same way as a local one."""
-    from dflash_ray.runtime.checkpoint import (SNAPSHOT, cursor_metrics, latest_checkpoint_cursor,
-                                               latest_checkpoint_path, local_checkpoint)
+    from dflash_ray.runtime.checkpoint import SNAPSHOT, cursor_metrics, latest_checkpoint, local_checkpoint
 
     where = f"file://{tmp_path}" if uri else str(tmp_path)
-    assert latest_checkpoint_cursor(where) == Cursor() and latest_checkpoint_path(where) is None
+    assert latest_checkpoint(where) == (Cursor(), None)
     snap = {"ray_version": "2.60.0", "latest_checkpoint_result": {
         "checkpoint_dir_name": "checkpoint_x", "metrics": {**cursor_metrics(Cursor(1, 4, 8)), "loss": 1.0}}}
     (tmp_path / SNAPSHOT).write_text(json.dumps(snap))
     (tmp_path / "checkpoint_x").mkdir()
     (tmp_path / "checkpoint_x" / "state.json").write_text("{}")
-    assert latest_checkpoint_cursor(where) == Cursor(1, 4, 8)
-    assert latest_checkpoint_path(where) == f"{where}/checkpoint_x"
-    with local_checkpoint(latest_checkpoint_path(where)) as d:
+    assert latest_checkpoint(where) == (Cursor(1, 4, 8), f"{where}/checkpoint_x")
+    with local_checkpoint(latest_checkpoint(where)[1]) as d:
         assert (d / "state.json").read_text() == "{}"
         assert (d == tmp_path / "checkpoint_x") != uri          # a URI is copied to a local temp dir
 

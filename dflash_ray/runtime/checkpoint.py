@@ -14,14 +14,13 @@ have reported (an interrupted upload is never registered, so never resumed from)
 The feed of a restarted worker group must start where the checkpoint it will resume from ends. Ray
 Train hands that checkpoint to the workers; the dataset factory, which runs in Ray Train's controller
 before the workers start, reads the same fact from the controller's persisted record of registered
-checkpoints (`latest_checkpoint_cursor`): the metrics reported with the checkpoint carry the cursor. The
+checkpoints (`latest_checkpoint`): the metrics reported with the checkpoint carry the cursor. The
 workers check that the two agree and fail loudly if they do not.
 """
 from __future__ import annotations
 
 import contextlib
 import json
-import os
 import pickle
 import random
 import tempfile
@@ -30,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dflash_ray.atomic import write_json_atomic
 from dflash_ray.runtime.feed import Cursor
 
 STATE = "state.json"
@@ -67,9 +67,7 @@ def write_checkpoint(out_dir: Path, *, drafter, optimizer, scheduler, cursor: Cu
     files = {name: (out_dir / name).stat().st_size for name in (WEIGHTS, OPTIM)}
     meta = {"cursor": cursor.as_dict(), "world_size": int(world_size), "files": files,
             "rank_files": [f"rng_rank{r}.pt" for r in range(world_size)], **(extra or {})}
-    tmp = out_dir / f".{STATE}.tmp"
-    tmp.write_text(json.dumps(meta, indent=2))
-    os.replace(tmp, out_dir / STATE)
+    write_json_atomic(out_dir / STATE, meta)
 
 
 class IncompleteCheckpoint(RuntimeError):
@@ -132,25 +130,19 @@ def read_snapshot(experiment_dir: str) -> dict | None:
         return None
 
 
-def latest_checkpoint_cursor(experiment_dir: str) -> Cursor:
-    """The cursor of the latest checkpoint Ray Train has registered for this run (Cursor() if none).
-    Our cursor travels in the metrics reported with the checkpoint."""
+def latest_checkpoint(experiment_dir: str) -> tuple[Cursor, str | None]:
+    """The cursor and the location (a local path or a URI) of the latest checkpoint Ray Train has
+    registered for this run; (Cursor(), None) before the first one. Our cursor travels in the metrics
+    reported with the checkpoint."""
     latest = (read_snapshot(experiment_dir) or {}).get("latest_checkpoint_result")
     if not latest:
-        return Cursor()
+        return Cursor(), None
     m = latest.get("metrics", {})
     if "cursor_epoch" not in m:
         raise RuntimeError(f"{experiment_dir}/{SNAPSHOT}: the latest checkpoint has no cursor in its metrics "
                            "(written by another program?)")
-    return Cursor(int(m["cursor_epoch"]), int(m["cursor_position"]), int(m["cursor_step"]))
-
-
-def latest_checkpoint_path(experiment_dir: str) -> str | None:
-    """Where the latest registered checkpoint of the run lives (a local path or a URI), or None."""
-    latest = (read_snapshot(experiment_dir) or {}).get("latest_checkpoint_result")
-    if not latest:
-        return None
-    return f"{str(experiment_dir).rstrip('/')}/{latest['checkpoint_dir_name']}"
+    cursor = Cursor(int(m["cursor_epoch"]), int(m["cursor_position"]), int(m["cursor_step"]))
+    return cursor, f"{str(experiment_dir).rstrip('/')}/{latest['checkpoint_dir_name']}"
 
 
 @contextlib.contextmanager
@@ -198,14 +190,18 @@ def save_checkpoint(*, rank: int, world_size: int, drafter, optimizer, scheduler
         ray.train.report({**cursor_metrics(cursor), **metrics}, checkpoint=Checkpoint.from_directory(str(tmp)))
 
 
-def export_checkpoint(run_spec, checkpoint: str, out_dir: str) -> str:
-    """Write the drafter of a checkpoint (a local path or a URI) as a Hugging Face directory the
-    reference `dflash` package loads."""
+def export_latest(run_spec) -> tuple[str, str] | None:
+    """Write the drafter of the run's latest checkpoint (local or remote storage) to <run.dir>/export, as
+    a Hugging Face directory the reference `dflash` package loads. Returns (checkpoint, export dir), or
+    None when the run has no checkpoint."""
     from dflash_ray.model.export import export_drafter
     from dflash_ray.runtime.step import build_run_drafter
 
+    _, checkpoint = latest_checkpoint(run_spec.experiment_dir)
+    if checkpoint is None:
+        return None
     with local_checkpoint(checkpoint) as d:
         read_state(d)
         drafter = build_run_drafter(run_spec, torch.device("cpu"))
         drafter.load_state_dict(load_weights(d), strict=True)
-    return export_drafter(drafter, out_dir)
+    return checkpoint, export_drafter(drafter, str(Path(run_spec.run_dir) / "export"))

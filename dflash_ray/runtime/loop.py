@@ -89,9 +89,9 @@ def train_loop_per_worker(config: dict) -> None:
     coord.worker_started.remote(rank, os.getpid(), ray.get_runtime_context().get_node_id())
     feed = ray.get(coord.feed_info.remote())
     gen, total_steps = feed["gen"], feed["total_steps"]
-    if per_step != feed["batches_per_step"]:
-        raise RuntimeError(f"feed built for {feed['batches_per_step']} batches per step but this group "
-                           f"trains {per_step}")
+    if world_size * grad_accum != feed["batches_per_step"]:
+        raise RuntimeError(f"feed built for {feed['batches_per_step']} batches per step but this group of "
+                           f"{world_size} workers x grad_accum {grad_accum} trains {world_size * grad_accum}")
 
     torch.manual_seed(run_spec.seed + rank)
     np.random.seed((run_spec.seed + rank) % 2**32)

@@ -103,6 +103,16 @@ def join_tokens(batch: dict, *, feed: _Ref, tokens: _Ref, coordinator: str, name
     return token_row({k: row[k] for k in FEED_SCALARS}, gen, ids, mask, lengths)
 
 
+def target_context(extract, input_ids: np.ndarray, lengths: np.ndarray, device) -> tuple[np.ndarray, str]:
+    """The frozen target's tapped-layer features of one right-padded batch, encoded for a row
+    (rows.encode_features; its .cpu() waits for the GPU)."""
+    import torch
+
+    ids = torch.from_numpy(input_ids.astype(np.int64)).to(device)
+    attn = (torch.arange(ids.shape[1])[None] < torch.from_numpy(lengths.astype(np.int64))[:, None]).long()
+    return encode_features(extract(ids, attn.to(device)))
+
+
 class TargetForward:
     """One per target GPU (a custom resource stands in on the CPU): the frozen target's tapped-layer
     features for each batch. Ray restarts a killed actor (Ray Data retries its batch on a live one)."""
@@ -124,17 +134,12 @@ class TargetForward:
         ray.get(self.coord.target_started.remote(self.key, os.getpid(), ray.get_runtime_context().get_node_id()))
 
     def __call__(self, batch: dict) -> dict:
-        import torch
-
         t0 = time.perf_counter()
-        lengths = torch.from_numpy(batch["lengths"][0].astype(np.int64))
         if int(batch["position"][0]) < 0:  # a filler: zeros of the right shape, no forward
             width = self.extract.hidden_size * len(self.extract.layer_ids)
             feats, dtype = np.zeros(batch["input_ids"].shape[1:] + (width,), np.float32), "float32"
         else:
-            ids = torch.from_numpy(batch["input_ids"][0].astype(np.int64)).to(self.device)
-            attn = (torch.arange(ids.shape[1])[None] < lengths[:, None]).long().to(self.device)
-            feats, dtype = encode_features(self.extract(ids, attn))  # .cpu() waits for the GPU
+            feats, dtype = target_context(self.extract, batch["input_ids"][0], batch["lengths"][0], self.device)
         self.coord.target_batch.remote(self.key, time.perf_counter() - t0, int(batch["num_tokens"][0]))
         batch["context"] = feats[None]
         batch["context_dtype"] = np.array([dtype])
@@ -151,11 +156,11 @@ class DatasetFactory:
         self.experiment_dir = experiment_dir
 
     def feed(self):
-        from dflash_ray.runtime.checkpoint import latest_checkpoint_cursor
+        from dflash_ray.runtime.checkpoint import latest_checkpoint
         from dflash_ray.runtime.feed import build_feed
 
         s = self.run_spec
-        cursor = latest_checkpoint_cursor(self.experiment_dir)
+        cursor, _ = latest_checkpoint(self.experiment_dir)
         plans = {}
 
         def plan_for(e):

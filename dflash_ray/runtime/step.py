@@ -168,7 +168,7 @@ def train_step(model, drafter, optimizer, scheduler, rows: list[TrainRow], *, ra
         stats.slot_count += count.double().cpu().numpy()
         stats.batch_position[j], stats.batch_bucket[j], stats.batch_tokens[j] = row.position, row.bucket, row.num_tokens
 
-    vector = stats.pack()
+    vector = stats.pack().to(device)  # on the model's device: NCCL reduces CUDA tensors only
     if all_reduce is not None:
         all_reduce(vector)
     total = StepStats.unpack(vector, block_size, batches_per_step)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_ray.runtime.checkpoint import latest_checkpoint_cursor, latest_checkpoint_path
+from dflash_ray.runtime.checkpoint import latest_checkpoint
 from dflash_ray.runtime.coordinator import last_metrics
 from dflash_ray.runtime.ledger import LEDGER, read_jsonl, verify_ledger
 
@@ -18,7 +18,8 @@ from dflash_ray.runtime.ledger import LEDGER, read_jsonl, verify_ledger
 def build_summary(run_spec, plan_summary: dict, report: dict, *, started: float, wall_seconds: float) -> dict:
     metrics = last_metrics(run_spec.run_dir)
     ledger = read_jsonl(Path(run_spec.run_dir) / LEDGER)
-    finished = list(range(latest_checkpoint_cursor(run_spec.experiment_dir).epoch))
+    cursor, checkpoint = latest_checkpoint(run_spec.experiment_dir)
+    finished = list(range(cursor.epoch))
     epochs = sorted({int(r["epoch"]) for r in ledger} | set(finished))
     check = verify_ledger(ledger, plan_sizes(run_spec, epochs), finished_epochs=finished)
     now = [m for m in metrics if m.get("time", 0) >= started]   # steps trained by this invocation
@@ -49,7 +50,7 @@ def build_summary(run_spec, plan_summary: dict, report: dict, *, started: float,
         "measured": measured_rates(report["targets"], metrics, c.drafter_workers),
         "model": asdict(run_spec.drafter),
         "target_path": run_spec.target_path, "use_gpu": c.use_gpu,
-        "checkpoint": latest_checkpoint_path(run_spec.experiment_dir), "ledger": check,
+        "checkpoint": checkpoint, "ledger": check,
         "export": str(Path(run_spec.run_dir) / "export"),
     }
 
