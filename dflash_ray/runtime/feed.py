@@ -104,7 +104,8 @@ def build_feed(plan_for_epoch, cursor: Cursor, batches_per_step: int, epochs: in
         **{k: pa.array([x.tolist() for x in lists], type=pa.list_(pa.int64()))
            for k, lists in zip(FEED_LISTS, (sample_lists, length_lists))},
     })
-    return Feed(cursor=cursor, batches_per_step=batches_per_step, table=table, steps=steps, total_steps=cursor.step + steps,
+    return Feed(cursor=cursor, batches_per_step=batches_per_step, table=table, steps=steps,
+                total_steps=cursor.step + steps,
                 epoch_steps=epoch_steps, schedule_steps=cursor.step + planned)
 
 
