@@ -225,8 +225,7 @@ def _reference_loss(s, anchors, valid, reference=None):
             run, leading = True, 0
             for k in range(1, BLOCK):
                 if a + k >= n_tok or not s["loss_mask"][b, a + k]:
-                    run = False
-                    continue
+                    break                      # slots after the first unsupervised one are not trained
                 w = math.exp(-(k - 1) / gamma)
                 label = s["ids"][b, a + k]
                 loss += w * F.cross_entropy(ref[k - 1][None], label[None]).item()
@@ -286,6 +285,31 @@ def test_loss_equals_weighted_ce_on_reference_logits(setup):
     _assert_loss_matches(out, ref)
     assert ref["count"][0] == ref["blocks"] == 2 * d.num_anchors
     assert ref["count"][-1] < ref["count"][0]  # sequence ends and turn ends mask slots
+
+
+def test_supervision_stops_at_the_first_unsupervised_slot(setup):
+    """Sample 0 has assistant turns at 10..24 and 30..39. The block at anchor 23 supervises slot 1 (x24)
+    only: x25..29 is a user turn, and x30 (slot 7), supervised again, lies beyond what inference drafts.
+    The block at 12 supervises all 7 slots (x13..19); sample 1 (tokens 6..28) ends inside the block at 26."""
+    s, d = setup, setup["drafter"]
+    anchors = torch.tensor([[23, 12], [26, 6]])
+    valid = torch.ones(2, 2, dtype=torch.bool)
+    hidden = d(s["ids"], s["context"], anchors)
+    out = d.block_loss(hidden, s["ids"], s["loss_mask"], s["lengths"], anchors, valid)
+    # slot k counts blocks whose slots 1..k are all supervised: [23, 12, 26, 6] -> 4, 3, 2, 2, 2, 2, 2
+    assert out.slot_count.tolist() == [4, 2 + 1, 2, 2, 2, 2, 2]
+    assert int(out.num_blocks) == 4
+
+
+def test_nan_in_padded_context_does_not_reach_the_loss(setup):
+    """Masked keys still add 0 x value: the padded context (sample 1, positions >= 29) is zeroed first."""
+    s, d = setup, setup["drafter"]
+    poisoned = s["context"].clone()
+    poisoned[1, 29:] = float("nan")
+    outs = [d.training_loss(s["ids"], s["loss_mask"], ctx, s["lengths"], torch.Generator().manual_seed(0))
+            for ctx in (s["context"], poisoned)]
+    assert torch.isfinite(outs[1].loss_sum)
+    assert outs[1].loss_sum.item() == pytest.approx(outs[0].loss_sum.item(), rel=1e-6)
 
 
 @pytest.fixture(scope="module")

@@ -88,6 +88,9 @@ def test_step_update_is_global_loss_sum_over_global_weight_sum(drafter_and_width
     for p, e in zip(drafter.trainable_parameters(), expected):
         torch.testing.assert_close(p.detach(), e, rtol=1e-5, atol=1e-6)
     assert result.positions == [3, 4] and result.buckets == [0, 3] and result.epoch == 0
+    # tau on the step's blocks: 1 + leading correct slots per block, over both batches
+    blocks = sum(int(p.num_blocks) for p in parts)
+    assert result.train_tau == pytest.approx(1 + sum(float(p.prefix_correct.sum()) for p in parts) / blocks)
     assert result.batch_tokens == [12, 6 * 48] and result.tokens == 12 + 6 * 48
 
 
@@ -126,6 +129,8 @@ def test_step_stats_sum_over_ranks_assembles_the_step():
             s.tokens += 100 * (j + 1)
             s.slot_correct += np.array([1, 0, 1])
             s.slot_count += np.array([1, 1, 1])
+            s.prefix_correct += np.array([1, 0, 0])
+            s.num_blocks += 1
         ranks.append(s.pack())
     total = StepStats.unpack(ranks[0] + ranks[1], block, per_step)
     assert total.batch_position.tolist() == [20, 21, 22, FILLER]
@@ -134,6 +139,7 @@ def test_step_stats_sum_over_ranks_assembles_the_step():
     assert total.batch_epoch.tolist() == [1, 1, 1, 1]
     assert (total.loss_sum, total.weight_sum, total.tokens) == (1.0 + 2.0 + 3.0, 6.0, 600.0)  # batches 0..2
     assert total.slot_correct.tolist() == [3, 0, 3] and total.slot_count.tolist() == [3, 3, 3]
+    assert total.prefix_correct.tolist() == [3, 0, 0] and total.num_blocks == 3
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

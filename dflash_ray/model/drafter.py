@@ -203,8 +203,9 @@ class DFlashDrafter(nn.Module):
         return self.norm(x).view(bsz, n, bs, -1)
 
     def block_loss(self, hidden, input_ids, loss_mask, lengths, anchors, valid) -> LossOutput:
-        """Weighted CE of slots 1..B-1 against x[a+k], supervised where the anchor is valid, a+k < length
-        and loss_mask[a+k]."""
+        """Weighted CE of slots 1..B-1 against x[a+k], supervised where the anchor is valid and every slot
+        1..k is inside the sequence and supervised: inference never drafts across the end of a turn, so
+        a slot after an unsupervised one (a user turn inside the block) is not trained either."""
         bsz, seq = input_ids.shape
         k = torch.arange(1, self.block_size, device=input_ids.device)
         tgt = anchors[:, :, None] + k                                     # [B, N, B-1]
@@ -212,6 +213,7 @@ class DFlashDrafter(nn.Module):
         labels = input_ids.gather(1, tgt_c).view_as(tgt)
         sup = (valid[:, :, None] & (tgt < lengths.to(tgt.device)[:, None, None])
                & loss_mask.gather(1, tgt_c).view_as(tgt).bool())
+        sup = sup.long().cumprod(-1).bool()                                # stop at the first gap
         w = slot_weights(self.block_size, self.loss_gamma).to(hidden.device).expand_as(tgt)
 
         rows = hidden[:, :, 1:, :][sup]                                    # [M, H], supervised slots only
@@ -231,6 +233,10 @@ class DFlashDrafter(nn.Module):
         """One training forward: sample anchors from `generator`, run all blocks, return the loss parts.
         input_ids/loss_mask [B, S] right-padded, context [B, S, n*H], lengths [B]."""
         anchors, valid = self.sample_anchors(loss_mask, lengths, generator)
+        # the mask hides padded context positions, but a masked key still adds 0 x value: zero them so a
+        # NaN or inf in the padding cannot reach the loss
+        padded = torch.arange(input_ids.shape[1], device=context.device)[None] >= lengths.to(context.device)[:, None]
+        context = context.masked_fill(padded[..., None], 0)
         hidden = self(input_ids, context, anchors)
         return self.block_loss(hidden, input_ids, loss_mask, lengths, anchors, valid)
 

@@ -201,7 +201,7 @@ class RunCoordinator:
             if b >= 0:
                 m.bucket.observe(b, tags=tags)
         if self.tb is not None:
-            for k in ("loss", "tokens_per_second", "lr", "grad_norm", "acceptance_length"):
+            for k in ("loss", "tokens_per_second", "lr", "grad_norm", "train_tau"):
                 if k in metrics and metrics[k] is not None:
                     self.tb.add_scalar(f"train/{k}", float(metrics[k]), int(metrics["step"]))
             self.tb.flush()

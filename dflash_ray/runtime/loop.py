@@ -18,7 +18,6 @@ import numpy as np
 import torch
 from torch import nn
 
-from dflash_ray.model.loss import expected_acceptance_length
 from dflash_ray.runtime.feed import Cursor, cursor_after, rank_rows
 from dflash_ray.runtime.rows import TrainRow
 from dflash_ray.runtime.step import LossModule, StepResult, build_run_drafter, make_optimizer, train_step
@@ -139,7 +138,8 @@ def train_loop_per_worker(config: dict) -> None:
                        "weight_sum": result.weight_sum, "lr": result.lr, "grad_norm": result.grad_norm,
                        "step_seconds": now - t_step, "wait_seconds": t_compute - t_wait,
                        "compute_seconds": now - t_compute, "slot_accuracy": result.slot_accuracy,
-                       "acceptance_length": float(expected_acceptance_length(result.slot_accuracy)),
+                       "train_tau": result.train_tau,
+                       "train_tau_if_slots_independent": result.train_tau_if_slots_independent,
                        "epoch_progress": (max(real) + 1) / epoch_batches if real else 1.0,
                        "total_steps": total_steps, "schedule_steps": feed["schedule_steps"],
                        "batches_per_step": per_step}

@@ -1,6 +1,6 @@
 """`dflash-ray plot [RUN_DIR]`: PNGs of a run from its metrics.jsonl and ledger.jsonl.
 
-    plots/loss.png               loss (and the expected acceptance length) over optimizer steps
+    plots/loss.png               loss (and the measured tau on training blocks) over optimizer steps
     plots/tokens_per_second.png  trained tokens per second over steps
     plots/buckets.png            the length bucket of every batch of every step, as a strip
 """
@@ -36,12 +36,12 @@ def plot_run(run_dir, out_dir=None) -> list[Path]:
     ax.plot(steps, [m["loss"] for m in metrics], label="loss", color="tab:blue")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss (weighted CE)")
-    acc = [m.get("acceptance_length") for m in metrics]
-    if any(a is not None for a in acc):
+    tau = [m.get("train_tau") for m in metrics]
+    if any(a is not None for a in tau):
         ax2 = ax.twinx()
-        ax2.plot(steps, [np.nan if a is None else a for a in acc], color="tab:green", alpha=0.7,
-                 label="expected acceptance length")
-        ax2.set_ylabel("expected acceptance length", color="tab:green")
+        ax2.plot(steps, [np.nan if a is None else a for a in tau], color="tab:green", alpha=0.7,
+                 label="tau on training blocks (measured)")
+        ax2.set_ylabel("tau on training blocks", color="tab:green")
     ax.set_title(f"{run_dir.name}: loss")
     fig.tight_layout()
     paths.append(out / "loss.png")

@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from dflash_ray.model.loss import expected_acceptance_length
 from dflash_ray.runtime.rows import FILLER, TrainRow
 
 
@@ -54,7 +55,7 @@ class LossModule(nn.Module):
 
     def forward(self, input_ids, loss_mask, context, lengths, generator):
         out = self.drafter.training_loss(input_ids, loss_mask, context, lengths, generator)
-        return out.loss_sum, out.weight_sum, out.slot_correct, out.slot_count
+        return out.loss_sum, out.weight_sum, out.slot_correct, out.slot_count, out.prefix_correct, out.num_blocks
 
 
 def build_run_drafter(run_spec, device):
@@ -90,6 +91,8 @@ class StepStats:
     tokens: float
     slot_correct: np.ndarray   # [block_size - 1]
     slot_count: np.ndarray     # [block_size - 1]
+    prefix_correct: np.ndarray  # [block_size - 1] blocks whose slots 1..k were all supervised and right
+    num_blocks: float          # blocks with slot 1 supervised
     batch_position: np.ndarray  # [W] plan position of batch j (FILLER for a filler)
     batch_bucket: np.ndarray   # [W] (FILLER for a filler)
     batch_tokens: np.ndarray   # [W] real tokens (0 for a filler)
@@ -98,24 +101,27 @@ class StepStats:
     @classmethod
     def zeros(cls, block_size: int, batches_per_step: int) -> "StepStats":
         slots, w = block_size - 1, batches_per_step
-        return cls(0.0, 0.0, 0.0, np.zeros(slots), np.zeros(slots), np.full(w, FILLER, np.int64),
-                   np.full(w, FILLER, np.int64), np.zeros(w, np.int64), np.full(w, FILLER, np.int64))
+        return cls(0.0, 0.0, 0.0, np.zeros(slots), np.zeros(slots), np.zeros(slots), 0.0,
+                   np.full(w, FILLER, np.int64), np.full(w, FILLER, np.int64), np.zeros(w, np.int64),
+                   np.full(w, FILLER, np.int64))
 
     def pack(self) -> torch.Tensor:
         # per-batch columns are stored +1: another rank's batch (all FILLER here) packs to zeros and
         # adds nothing to the sum over ranks
         per_batch = np.stack([self.batch_position + 1, self.batch_bucket + 1, self.batch_tokens,
                               self.batch_epoch + 1], axis=1)
-        return torch.from_numpy(np.concatenate([[self.loss_sum, self.weight_sum, self.tokens], self.slot_correct,
-                                                self.slot_count, per_batch.reshape(-1)]).astype(np.float64))
+        return torch.from_numpy(np.concatenate([[self.loss_sum, self.weight_sum, self.tokens, self.num_blocks],
+                                                self.slot_correct, self.slot_count, self.prefix_correct,
+                                                per_batch.reshape(-1)]).astype(np.float64))
 
     @classmethod
     def unpack(cls, vector: torch.Tensor, block_size: int, batches_per_step: int) -> "StepStats":
         v = vector.detach().cpu().numpy().astype(np.float64)
         slots = block_size - 1
-        head = 3 + 2 * slots
+        head = 4 + 3 * slots
         per_batch = v[head:].reshape(batches_per_step, 4).round().astype(np.int64)
-        return cls(float(v[0]), float(v[1]), float(v[2]), v[3:3 + slots], v[3 + slots:head],
+        return cls(float(v[0]), float(v[1]), float(v[2]), v[4:4 + slots], v[4 + slots:4 + 2 * slots],
+                   v[4 + 2 * slots:head], float(v[3]),
                    per_batch[:, 0] - 1, per_batch[:, 1] - 1, per_batch[:, 2], per_batch[:, 3] - 1)
 
 
@@ -126,6 +132,9 @@ class StepResult:
     weight_sum: float
     tokens: int                 # real tokens of the step's batches
     slot_accuracy: list         # per block slot 1..B-1
+    train_tau: float            # measured on the step's blocks: 1 + mean leading correct slots (what greedy
+                                # verification against these labels would accept)
+    train_tau_if_slots_independent: float  # 1 + sum_k prod_{j<=k} slot_accuracy_j: a proxy, kept for comparison
     grad_norm: float            # before clipping (0 when clipping is off)
     lr: float                   # the learning rate this step used
     epoch: int
@@ -157,7 +166,7 @@ def train_step(model, drafter, optimizer, scheduler, rows: list[TrainRow], *, ra
         generator = torch.Generator().manual_seed(batch_seed(seed, row.epoch, max(row.position, 0)))
         with sync:
             with autocast():
-                loss_sum, weight_sum, correct, count = model(ids, mask, context, lengths, generator)
+                loss_sum, weight_sum, correct, count, prefix, blocks = model(ids, mask, context, lengths, generator)
             (loss_sum * (0.0 if row.is_filler else float(workers))).backward()
         if row.is_filler:
             continue
@@ -166,6 +175,8 @@ def train_step(model, drafter, optimizer, scheduler, rows: list[TrainRow], *, ra
         stats.tokens += row.num_tokens
         stats.slot_correct += correct.double().cpu().numpy()
         stats.slot_count += count.double().cpu().numpy()
+        stats.prefix_correct += prefix.double().cpu().numpy()
+        stats.num_blocks += float(blocks)
         stats.batch_position[j], stats.batch_bucket[j], stats.batch_tokens[j] = row.position, row.bucket, row.num_tokens
 
     vector = stats.pack().to(device)  # on the model's device: NCCL reduces CUDA tensors only
@@ -184,8 +195,10 @@ def train_step(model, drafter, optimizer, scheduler, rows: list[TrainRow], *, ra
         optimizer.step()
     scheduler.step()
     optimizer.zero_grad(set_to_none=True)
+    slot_accuracy = (total.slot_correct / np.maximum(total.slot_count, 1)).tolist()
     return StepResult(
         loss=total.loss_sum / max(total.weight_sum, 1e-12), weight_sum=total.weight_sum, tokens=int(total.tokens),
-        slot_accuracy=(total.slot_correct / np.maximum(total.slot_count, 1)).tolist(), grad_norm=grad_norm, lr=lr,
+        slot_accuracy=slot_accuracy, train_tau=1.0 + float(total.prefix_correct.sum()) / max(total.num_blocks, 1.0),
+        train_tau_if_slots_independent=expected_acceptance_length(slot_accuracy), grad_norm=grad_norm, lr=lr,
         epoch=int(total.batch_epoch.max()), positions=total.batch_position.tolist(),
         buckets=total.batch_bucket.tolist(), batch_tokens=total.batch_tokens.tolist())
