@@ -15,7 +15,7 @@ from pathlib import Path
 
 from dflash_ray.errors import UserError
 
-COMMANDS = ("prepare", "plan", "order-stats", "train", "eval", "export", "plot")
+COMMANDS = ("regenerate", "prepare", "plan", "order-stats", "train", "eval", "export", "plot")
 
 
 def _parser(cmd: str) -> argparse.ArgumentParser:
@@ -84,12 +84,36 @@ def _dispatch(cmd: str, args) -> int:
     if args.cfg == "job":
         print(to_yaml(cfg), end="")
         return 0
-    handler = {"prepare": prepare_command, "plan": plan_command, "train": train_command, "eval": eval_command,
+    handler = {"regenerate": regenerate_command, "prepare": prepare_command, "plan": plan_command, "train": train_command, "eval": eval_command,
                "export": export_command, "plot": plot_command}[cmd]
     return handler(cfg, args)
 
 
 # ----------------------------------------------------------------------------- data
+def regenerate_command(cfg, args) -> int:
+    """Conversations -> the same conversations with the target's own greedy answers (a Ray Data job on
+    the configured cluster; resumable; failures counted by reason)."""
+    from omegaconf import OmegaConf
+
+    from dflash_ray.config import require
+    from dflash_ray.runtime.cluster import ray_cluster
+    from dflash_ray.runtime.regenerate import regenerate
+
+    source, tokenizer = require(cfg, "data.input"), require(cfg, "data.tokenizer")
+    target, output = require(cfg, "model.target_path"), require(cfg, "regenerate.output")
+    if not (Path(target) / "config.json").exists():
+        raise UserError(f"{target}: not a Hugging Face model directory (no config.json) (config key 'model.target_path')")
+    cluster = OmegaConf.to_object(cfg.cluster)
+    log = (lambda *a, **k: print(*a, file=sys.stderr, **k)) if args.json else print
+    with ray_cluster(cluster, log=log):
+        counts = regenerate(source, output, target_dir=target, tokenizer_dir=tokenizer, cluster=cluster,
+                            max_new_tokens=int(cfg.regenerate.max_new_tokens),
+                            batch_size=int(cfg.regenerate.batch_size), log=log)
+    if args.json:
+        print(json.dumps(counts, indent=2))
+    return 0
+
+
 def prepare_command(cfg, args) -> int:
     from dflash_ray.config import require
     from dflash_ray.data.prepare import prepare
@@ -185,6 +209,14 @@ def train_command(cfg, args) -> int:
           f"{summary['tokens_per_second']:.0f} tokens/s; final loss {loss}; "
           f"failures survived: {summary['failures_survived']}; ledger "
           f"{'exactly-once' if led['ok'] else 'NOT OK: ' + json.dumps(led)}")
+    tau = summary.get("heldout_tau")
+    if tau:
+        a, b = tau["initial"], tau["trained"]
+        print(f"held-out tau ({b['prompts']} prompts, block {run_spec.drafter.block_size}): {a['tau']:.2f} for the "
+              f"freshly initialised drafter -> {b['tau']:.2f} trained (the target's forward time "
+              f"{b['target_time_speedup']:.2f}x lower than plain greedy decoding's); output equals the target's "
+              f"greedy output: "
+              f"{'yes' if b['outputs_match_greedy'] and a['outputs_match_greedy'] else 'NO'}")
     print(f"export: {summary['export']}")
     print(f"run directory: {run_spec.run_dir}")
     return 0

@@ -44,6 +44,9 @@ class SyntheticConfig:
     num_conversations: int = 600
     min_tokens: int = 48
     max_tokens: int = 512
+    target_steps: int = 400          # train the synthesised target this many steps on the corpus (0: random)
+    regenerate: bool = True          # train the drafter on the target's own answers (dflash-ray regenerate)
+    heldout_prompts: int = 16        # prompts of a held-out corpus in <run.dir>/heldout.jsonl (tau)
 
 
 @dataclass
@@ -113,6 +116,13 @@ class EvalConfig:
 
 
 @dataclass
+class RegenerateConfig:
+    output: Optional[str] = None     # the regenerated conversations .jsonl
+    max_new_tokens: int = 200        # per assistant turn
+    batch_size: int = 32             # conversations per generate() call on a target actor
+
+
+@dataclass
 class RootConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -124,6 +134,7 @@ class RootConfig:
     drafter: Optional[str] = None
     target: Optional[str] = None
     eval: EvalConfig = field(default_factory=EvalConfig)
+    regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
 
 
 CHOICES = {"data.overlong": ("truncate", "drop"),
@@ -132,7 +143,9 @@ MINIMUM = {"model.block_size": 2, "model.num_draft_layers": 1, "model.num_anchor
            "data.shard_size": 1, "data.max_tokens_per_batch": 1, "data.chunk_batches": 1,
            "cluster.target_workers": 1, "cluster.drafter_workers": 1, "cluster.max_batches_in_flight": 1,
            "train.epochs": 1, "train.grad_accum": 1, "train.checkpoint_every": 1, "train.num_to_keep": 1,
-           "train.max_failures": 0, "train.lr": 0.0, "train.warmup_ratio": 0.0, "eval.max_new_tokens": 1}
+           "train.max_failures": 0, "train.lr": 0.0, "train.warmup_ratio": 0.0, "eval.max_new_tokens": 1,
+           "regenerate.max_new_tokens": 1, "regenerate.batch_size": 1, "data.synthetic.target_steps": 0,
+           "data.synthetic.heldout_prompts": 0}
 
 
 # ----------------------------------------------------------------------------- composition

@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 from helpers_data import make_tokenizer, write_jsonl
+from helpers_model import reference_acceptance_lengths
 from transformers import AutoTokenizer
 
 from dflash_ray.cli import run_command
@@ -57,22 +58,6 @@ def pair(tmp_path_factory):
     return root, tokdir, target_dir, export_drafter(drafter, str(root / "drafter"))
 
 
-def _reference_lengths(drafter_dir, target_dir, prompts, max_new_tokens, stop_token_ids, monkeypatch):
-    """Per-prompt acceptance lengths from the reference `dflash_generate`."""
-    import time
-
-    import dflash.model as reference
-    import torch
-
-    from dflash_ray.model.target import load_target
-
-    monkeypatch.setattr(reference, "_cuda_time", time.perf_counter)  # it times with CUDA syncs otherwise
-    model = reference.DFlashDraftModel.from_pretrained(drafter_dir).eval()
-    target = load_target(target_dir)
-    return [reference.dflash_generate(model, target, torch.tensor([p]), max_new_tokens, stop_token_ids,
-                                      return_stats=True).acceptance_lengths for p in prompts]
-
-
 def test_eval_reads_conversation_and_text_prompts_and_reports_tau(pair, capsys, monkeypatch):
     """The prompts eval decodes are the chat template's rendering (turns after the last user turn dropped),
     and its tau is the reference's on those prompts (mean of per-prompt means)."""
@@ -92,7 +77,7 @@ def test_eval_reads_conversation_and_text_prompts_and_reports_tau(pair, capsys, 
     assert rc == 0
     expected = [_rendered(tok, CONVERSATION[:1]), _rendered(tok, [{"role": "user", "content": TEXT}]), [5, 6, 7, 8]]
     assert seen == [expected]
-    lengths = _reference_lengths(drafter_dir, target_dir, expected, 10, [tok.eos_token_id], monkeypatch)
+    lengths = reference_acceptance_lengths(drafter_dir, target_dir, expected, 10, [tok.eos_token_id], monkeypatch)
     assert out["per_prompt_acceptance_lengths"] == lengths
     assert out["tau"] == pytest.approx(sum(sum(x) / len(x) for x in lengths) / len(lengths))
     # The drafter is accepted on some prompts and not others: tau is neither 1 nor the per-cycle mean.
@@ -104,7 +89,7 @@ def test_eval_reads_conversation_and_text_prompts_and_reports_tau(pair, capsys, 
                               f"data.tokenizer={tokdir}", "eval.max_new_tokens=6", "eval.max_prompts=1"])
     text = capsys.readouterr().out
     assert rc == 0 and "1 prompts" in text and "output equals plain greedy decoding     : yes" in text
-    [first] = _reference_lengths(drafter_dir, target_dir, expected[:1], 6, [tok.eos_token_id], monkeypatch)
+    [first] = reference_acceptance_lengths(drafter_dir, target_dir, expected[:1], 6, [tok.eos_token_id], monkeypatch)
     assert f"tau (mean accepted + 1 per cycle)       : {sum(first) / len(first):.3f}" in text
 
 

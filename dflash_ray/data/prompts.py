@@ -1,6 +1,7 @@
-"""Prompts for `dflash-ray eval`: a jsonl file, one prompt a line, as {"conversations": [...]} (turns
-after the last user turn are dropped; the chat template's generation prompt is added), {"prompt":
-"text"} or {"input_ids": [...]}. No torch."""
+"""Prompts for `dflash-ray eval` and the main job's held-out tau: a jsonl file, one prompt a line, as
+{"conversations": [...]} (turns after the last user turn are dropped; the chat template's generation
+prompt is added), {"prompt": "text"}, {"input_ids": [...]} or a bare list of token ids (heldout.jsonl).
+No torch at import."""
 from __future__ import annotations
 
 import json
@@ -33,10 +34,11 @@ def read_prompts(path: str, tok, limit: int) -> list[list[int]]:
                 row = json.loads(line)
             except json.JSONDecodeError as e:
                 raise UserError(f"{src}: line {lineno}: malformed JSON ({e.msg})") from e
-            if isinstance(row, dict) and isinstance(row.get("input_ids"), list):
-                if not all(isinstance(x, int) for x in row["input_ids"]):
+            ids = row if isinstance(row, list) else row.get("input_ids") if isinstance(row, dict) else None
+            if isinstance(ids, list):                # {"input_ids": [...]} or a bare list (heldout.jsonl)
+                if not all(isinstance(x, int) for x in ids):
                     raise UserError(f"{src}: line {lineno}: input_ids must be a list of integers")
-                prompts.append(row["input_ids"])
+                prompts.append(ids)
             elif isinstance(row, dict) and ("conversations" in row or "prompt" in row):
                 if tok is None:
                     raise UserError(f"{src}: line {lineno}: text prompts need a tokenizer (data.tokenizer=DIR)")

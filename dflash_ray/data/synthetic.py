@@ -21,21 +21,25 @@ _WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu nu
 
 
 def _task(rng: np.random.Generator, target_words: int) -> tuple[str, str]:
-    """A user request and its deterministic answer, about `target_words` words long."""
-    kind = rng.integers(0, 3)
+    """A user request and its deterministic answer, about `target_words` words long. The answers walk
+    a fixed cycle of words (forwards, backwards, every second word) or repeat a phrase: structure a tiny
+    target learns in seconds (a chain of successors, and copying), and that generalises to unseen
+    starting points and phrases."""
+    n = max(3, target_words)
+    kind = rng.integers(0, 4)
+    start = int(rng.integers(0, len(_WORDS)))
     if kind == 0:
-        start = int(rng.integers(0, 500))
-        n = max(4, target_words)
-        return f"Count from {start} to {start + n - 1}.", " ".join(str(start + i) for i in range(n))
+        walk = [_WORDS[(start + i) % len(_WORDS)] for i in range(n)]
+        return f"Recite the words from {_WORDS[start]} for {n} words.", " ".join(walk)
     if kind == 1:
-        phrase = [str(w) for w in rng.choice(_WORDS, size=int(rng.integers(3, 7)))]
-        times = max(2, target_words // len(phrase))
-        return f"Repeat '{' '.join(phrase)}' {times} times.", " ".join(phrase * times)
-    step = int(rng.integers(2, 9))
-    start = int(rng.integers(0, 100))
-    n = max(4, target_words)
-    return (f"List {n} numbers from {start} in steps of {step}.",
-            ", ".join(str(start + step * i) for i in range(n)))
+        walk = [_WORDS[(start - i) % len(_WORDS)] for i in range(n)]
+        return f"Recite the words backwards from {_WORDS[start]} for {n} words.", " ".join(walk)
+    if kind == 2:
+        walk = [_WORDS[(start + 2 * i) % len(_WORDS)] for i in range(n)]
+        return f"Recite every second word from {_WORDS[start]} for {n} words.", " ".join(walk)
+    phrase = [str(w) for w in rng.choice(_WORDS, size=int(rng.integers(2, 5)))]
+    times = max(2, n // len(phrase))
+    return f"Repeat {' '.join(phrase)} {times} times.", " ".join(phrase * times)
 
 
 def write_corpus(path: str | os.PathLike, num_conversations: int, *, min_tokens: int = 48,
@@ -51,13 +55,13 @@ def write_corpus(path: str | os.PathLike, num_conversations: int, *, min_tokens:
             turns = 1 if tokens < 160 or rng.random() < 0.6 else 2
             conv = [{"role": "system", "content": "You are a precise assistant."}] if rng.random() < 0.3 else []
             for _ in range(turns):
-                user, answer = _task(rng, max(4, int(tokens / turns / 3.2)))
+                user, answer = _task(rng, max(3, int(tokens / turns / 1.3)))
                 conv += [{"role": "user", "content": user}, {"role": "assistant", "content": answer}]
             f.write(json.dumps({"id": f"synthetic-{i}", "conversations": conv}) + "\n")
     return path
 
 
-def train_tokenizer(corpus: str | os.PathLike, out_dir: str | os.PathLike, vocab_size: int = 384) -> Path:
+def train_tokenizer(corpus: str | os.PathLike, out_dir: str | os.PathLike, vocab_size: int = 512) -> Path:
     """A byte-level BPE tokenizer trained on the corpus, saved as a Hugging Face tokenizer directory."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
