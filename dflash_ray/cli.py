@@ -15,7 +15,7 @@ from pathlib import Path
 
 from dflash_ray.errors import UserError
 
-COMMANDS = ("regenerate", "prepare", "plan", "order-stats", "train", "eval", "export", "plot")
+COMMANDS = ("regenerate", "prepare", "plan", "order-stats", "train", "compare-orders", "eval", "export", "plot")
 
 
 def _parser(cmd: str) -> argparse.ArgumentParser:
@@ -84,7 +84,8 @@ def _dispatch(cmd: str, args) -> int:
     if args.cfg == "job":
         print(to_yaml(cfg), end="")
         return 0
-    handler = {"regenerate": regenerate_command, "prepare": prepare_command, "plan": plan_command, "train": train_command, "eval": eval_command,
+    handler = {"regenerate": regenerate_command, "prepare": prepare_command, "plan": plan_command,
+               "train": train_command, "compare-orders": compare_orders_command, "eval": eval_command,
                "export": export_command, "plot": plot_command}[cmd]
     return handler(cfg, args)
 
@@ -219,6 +220,23 @@ def train_command(cfg, args) -> int:
               f"{'yes' if b['outputs_match_greedy'] and a['outputs_match_greedy'] else 'NO'}")
     print(f"export: {summary['export']}")
     print(f"run directory: {run_spec.run_dir}")
+    return 0
+
+
+def compare_orders_command(cfg, args) -> int:
+    """The same drafter trained once per interleave strategy with the same budget, side by side."""
+    from dflash_ray.runtime.compare import compare_orders, format_comparison
+
+    overrides = [o for o in args.overrides if not o.startswith(("run.name=", "data.interleave="))]
+    log = (lambda *a, **k: print(*a, file=sys.stderr, **k)) if args.json else print
+    result = compare_orders(cfg, overrides, log=log)
+    if args.json:
+        print(json.dumps({k: {kk: vv for kk, vv in v.items() if kk not in ("losses", "buckets_in_order")}
+                          for k, v in result["rows"].items()}, indent=2))
+    else:
+        print(format_comparison(result["rows"]))
+        for p in result["pngs"]:
+            print(p)
     return 0
 
 

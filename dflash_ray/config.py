@@ -95,6 +95,7 @@ class TrainConfig:
     max_failures: int = 3
     storage_path: Optional[str] = None
     tensorboard: bool = False
+    heldout_every: int = 0           # held-out tau every N steps during training (0: only after training)
 
 
 @dataclass
@@ -143,7 +144,7 @@ MINIMUM = {"model.block_size": 2, "model.num_draft_layers": 1, "model.num_anchor
            "data.shard_size": 1, "data.max_tokens_per_batch": 1, "data.chunk_batches": 1,
            "cluster.target_workers": 1, "cluster.drafter_workers": 1, "cluster.max_batches_in_flight": 1,
            "train.epochs": 1, "train.grad_accum": 1, "train.checkpoint_every": 1, "train.num_to_keep": 1,
-           "train.max_failures": 0, "train.lr": 0.0, "train.warmup_ratio": 0.0, "eval.max_new_tokens": 1,
+           "train.max_failures": 0, "train.heldout_every": 0, "train.lr": 0.0, "train.warmup_ratio": 0.0, "eval.max_new_tokens": 1,
            "regenerate.max_new_tokens": 1, "regenerate.batch_size": 1, "data.synthetic.target_steps": 0,
            "data.synthetic.heldout_prompts": 0}
 

@@ -59,6 +59,22 @@ def test_the_drafter_trained_on_the_targets_own_answers(demo):
     assert json.loads((run / "target" / "dflash_demo_training.json").read_text())["steps"] == 300
 
 
+def test_heldout_tau_during_training_keeps_the_best_drafter(demo):
+    """Every train.heldout_every (100 for the tiny model) steps, evaluated beside training; the best so
+    far stays exported in best/ (it loads in the reference package)."""
+    from dflash.model import DFlashDraftModel
+
+    spec, s = demo
+    during = s["heldout_tau_during_training"]
+    assert [e["step"] for e in during] == list(range(100, s["steps"] + 1, 100))
+    evals = [json.loads(line) for line in (Path(spec.run_dir) / "evals.jsonl").read_text().splitlines()]
+    assert [(e["step"], e["tau"]) for e in evals] == [(e["step"], e["tau"]) for e in during]
+    top = max(during, key=lambda e: e["tau"])
+    assert s["best"] == {"step": top["step"], "tau": top["tau"], "dir": str(Path(spec.run_dir) / "best")}
+    DFlashDraftModel.from_pretrained(s["best"]["dir"])
+    assert not list((Path(spec.run_dir) / ".evals").iterdir())           # the others were removed
+
+
 def spec_eos(spec) -> int:
     from dflash_ray.data.prepare import load_tokenizer
 

@@ -2,6 +2,7 @@
 checkpoint completeness, the capacity model, the token store, and the coordinator's flight window."""
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 from types import SimpleNamespace
@@ -273,7 +274,8 @@ def test_coordinator_writes_ledger_metrics_and_tensorboard(ray_session, tmp_path
     c.close()
     assert [r["step"] for r in read_jsonl(tmp_path / "ledger.jsonl")] == [1, 2]
     assert [m["loss"] for m in last_metrics(tmp_path)] == [3.0, 1.4]     # the replayed step's last record
-    assert c.report()["trainer_restarts"] == 1 and c.report()["rolled_back_steps"] == 1
+    report = asyncio.run(c.report())
+    assert report["trainer_restarts"] == 1 and report["rolled_back_steps"] == 1
     assert list((tmp_path / "tensorboard").glob("events.out.tfevents.*"))
     assert json.loads((tmp_path / "events.jsonl").read_text().splitlines()[0])["event"] == "trainer_group_restarted"
 

@@ -8,12 +8,17 @@ It outlives trainer restarts (the driver owns it), so it is where the run's memo
 * the ledger and metrics.jsonl (written on the driver's node, so no shared file system is needed),
   rolled back to the checkpoint's step when training restarts after a failure;
 * what the target actors did (batches, busy seconds, restarts) and the trainer restarts survived;
-* the `dflash_*` metrics (ray.util.metrics) and the progress the driver's bar shows.
+* the `dflash_*` metrics (ray.util.metrics) and the progress the driver's bar shows;
+* held-out tau during training: rank 0 hands it the drafter's weights every `train.heldout_every` steps;
+  it runs the evaluation as a Ray task on its own node (training does not wait), records the result in
+  evals.jsonl and keeps the best drafter so far, exported, in <run.dir>/best.
 """
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import shutil
 import time
 from pathlib import Path
 
@@ -21,6 +26,8 @@ from dflash_ray.runtime.ledger import LEDGER, read_jsonl, rollback
 
 METRICS = "metrics.jsonl"
 EVENTS = "events.jsonl"
+EVALS = "evals.jsonl"
+BEST = "best"
 
 
 class _Metrics:
@@ -34,6 +41,7 @@ class _Metrics:
         g = lambda name, desc, keys=tags: Gauge(name, description=desc, tag_keys=keys)  # noqa: E731
         self.loss = g("dflash_loss", "training loss of the last optimizer step")
         self.tokens_per_s = g("dflash_tokens_per_second", "trained tokens per second (recent steps)")
+        self.heldout_tau = g("dflash_heldout_tau", "acceptance length on held-out prompts (speculative decoding)")
         self.step = g("dflash_step", "optimizer steps committed")
         self.epoch_progress = g("dflash_epoch_progress", "fraction of the current epoch trained")
         self.in_flight = g("dflash_batches_in_flight", "batches admitted to the pipeline and not yet trained")
@@ -67,6 +75,8 @@ class RunCoordinator:
         self.target_restarts = 0
         self.workers: dict[int, dict] = {}
         self.last: dict = {}
+        self.evals: list[dict] = []
+        self.evals_running = 0
         self.total_steps = 0
         self.feed: dict = {}
         self.step_times: list[tuple[float, int]] = []
@@ -206,6 +216,41 @@ class RunCoordinator:
                     self.tb.add_scalar(f"train/{k}", float(metrics[k]), int(metrics["step"]))
             self.tb.flush()
 
+    async def evaluate_heldout(self, run_spec, step: int, weights: list) -> None:
+        """Held-out tau of the drafter weights of `step` (weights = [ObjectRef of a state dict]), in a Ray
+        task pinned to this node (the run directory is here); the best drafter so far stays in best/."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from dflash_ray.runtime.heldout import heldout_tau_of_weights
+
+        out = self.dir / ".evals" / f"step_{int(step)}"
+        node = ray.get_runtime_context().get_node_id()
+        task = ray.remote(heldout_tau_of_weights).options(
+            num_cpus=0.5, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
+        self.evals_running += 1
+        try:
+            result = await task.remote(run_spec, weights[0], str(out))
+        except Exception as e:  # an evaluation never stops the run: it is reported
+            self._event("heldout_eval_failed", step=int(step), error=str(e)[:500])
+            return
+        finally:
+            self.evals_running -= 1
+            async with self.cond:
+                self.cond.notify_all()
+        record = {"step": int(step), "time": time.time(), **result}
+        best = max((e["tau"] for e in self.evals), default=float("-inf"))
+        self.evals.append(record)
+        with open(self.dir / EVALS, "a") as f:
+            f.write(json.dumps(record) + "\n")
+        self.metrics.heldout_tau.set(float(result["tau"]), tags=self.metrics.run)
+        if self.tb is not None:
+            self.tb.add_scalar("heldout/tau", float(result["tau"]), int(step))
+        if result["tau"] > best:
+            _replace_dir(out, self.dir / BEST)
+        else:
+            shutil.rmtree(out, ignore_errors=True)
+
     def checkpoint_done(self, step: int, seconds: float) -> None:
         self.checkpoints.append({"step": int(step), "seconds": float(seconds)})
         self.metrics.ckpt_s.set(float(seconds), tags=self.metrics.run)
@@ -223,10 +268,13 @@ class RunCoordinator:
 
     def progress(self) -> dict:
         return {"step": int(self.last.get("step", 0)), "total_steps": self.total_steps,
+                "heldout_tau": self.evals[-1]["tau"] if self.evals else None,
                 "loss": self.last.get("loss"), "tokens_per_second": self.last.get("tokens_per_second", 0.0),
                 "failures_survived": self.failures_survived(), "epoch": self.last.get("epoch")}
 
-    def report(self) -> dict:
+    async def report(self) -> dict:
+        async with self.cond:  # evaluations still running belong to this run's report
+            await self.cond.wait_for(lambda: self.evals_running == 0)
         now = time.time()
         targets = {}
         total = sum(t["batches"] for t in self.targets.values()) or 1
@@ -240,11 +288,21 @@ class RunCoordinator:
                 "failures_survived": self.failures_survived(), "rolled_back_steps": self.rolled_back_steps,
                 "attempts": self.attempts, "max_batches_in_flight": self.max_in_flight, "window": self.window,
                 "targets": targets, "checkpoints": self.checkpoints, "last": self.last,
-                "timeline": self.timeline}
+                "timeline": self.timeline, "evals": self.evals}
 
     def close(self) -> None:
         if self.tb is not None:
             self.tb.close()
+
+
+def _replace_dir(src: Path, dst: Path) -> None:
+    """dst becomes src, whole (the old dst is moved aside first, then removed)."""
+    old = dst.with_name(f".{dst.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if dst.exists():
+        os.replace(dst, old)
+    os.replace(src, dst)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def last_metrics(run_dir) -> list[dict]:

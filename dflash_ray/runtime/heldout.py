@@ -21,6 +21,21 @@ def heldout_tau(run_spec, drafter_dir: str) -> dict:
             "acceptance_histogram": s["acceptance_histogram"]}
 
 
+def heldout_tau_of_weights(run_spec, weights: dict, out_dir: str) -> dict:
+    """Export the drafter with these weights to out_dir and measure its held-out tau (a Ray task)."""
+    import torch
+
+    from dflash_ray.model.export import export_drafter
+    from dflash_ray.runtime.step import build_run_drafter
+
+    torch.set_num_threads(1)
+    drafter = build_run_drafter(run_spec, torch.device("cpu"))
+    drafter.load_state_dict(weights, strict=True)
+    export_drafter(drafter, out_dir)
+    r = heldout_tau(run_spec, out_dir)
+    return {k: r[k] for k in ("tau", "prompts", "outputs_match_greedy")}
+
+
 def initial_and_trained_tau(run_spec, export_dir: str) -> dict:
     """Held-out tau of the drafter as the run initialised it (same seed, same weights as step 0) and of
     the exported one."""

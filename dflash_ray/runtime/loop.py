@@ -145,6 +145,11 @@ def train_loop_per_worker(config: dict) -> None:
                        "batches_per_step": per_step}
             pending_commits.append(coord.commit_step.remote(gen, step_record(result, step), metrics))
             coord.consumed_upto.remote(gen, (s + 1) * per_step)
+            every = run_spec.train.heldout_every
+            if run_spec.heldout and every and step % every == 0:
+                # the coordinator evaluates it in a task of its own: training goes on meanwhile
+                weights = ray.put({k: v.detach().cpu() for k, v in drafter.state_dict().items()})
+                coord.evaluate_heldout.remote(run_spec, step, [weights])
         t_step = now
         if checkpoint_due(step, run_spec.train.checkpoint_every, last_step=s == steps - 1,
                           end_of_epoch=cursor.position == 0):

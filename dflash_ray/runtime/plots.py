@@ -18,7 +18,7 @@ def plot_run(run_dir, out_dir=None) -> list[Path]:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    from dflash_ray.runtime.coordinator import METRICS, last_metrics
+    from dflash_ray.runtime.coordinator import EVALS, METRICS, last_metrics
     from dflash_ray.runtime.ledger import LEDGER, read_jsonl
 
     run_dir = Path(run_dir)
@@ -41,7 +41,12 @@ def plot_run(run_dir, out_dir=None) -> list[Path]:
         ax2 = ax.twinx()
         ax2.plot(steps, [np.nan if a is None else a for a in tau], color="tab:green", alpha=0.7,
                  label="tau on training blocks (measured)")
-        ax2.set_ylabel("tau on training blocks", color="tab:green")
+        evals = read_jsonl(run_dir / EVALS)
+        if evals:
+            ax2.plot([e["step"] for e in evals], [e["tau"] for e in evals], "o-", color="tab:red",
+                     label="held-out tau (speculative decoding)")
+        ax2.set_ylabel("tau", color="tab:green")
+        ax2.legend(loc="upper right", fontsize=8)
     ax.set_title(f"{run_dir.name}: loss")
     fig.tight_layout()
     paths.append(out / "loss.png")

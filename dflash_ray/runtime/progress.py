@@ -58,7 +58,8 @@ class Progress:
         rate = done / max(time.time() - self.t0, 1e-9)
         eta = (p["total_steps"] - p["step"]) / rate if rate > 0 else float("nan")
         loss = "-" if p["loss"] is None else f"{p['loss']:.4f}"
-        return (f"step {p['step']}/{p['total_steps']}  tokens/s {p['tokens_per_second']:.0f}  loss {loss}  "
+        tau = "" if p.get("heldout_tau") is None else f"  held-out tau {p['heldout_tau']:.2f}"
+        return (f"step {p['step']}/{p['total_steps']}  tokens/s {p['tokens_per_second']:.0f}  loss {loss}{tau}  "
                 f"ETA {eta:.0f}s  failures survived {p['failures_survived']}")
 
     def _tqdm(self, bar, p):
@@ -68,7 +69,8 @@ class Progress:
             bar = tqdm(total=p["total_steps"], desc="train", unit="step", dynamic_ncols=True)
         bar.total, bar.n = p["total_steps"], p["step"]
         loss = "-" if p["loss"] is None else f"{p['loss']:.4f}"
-        bar.set_postfix_str(f"tok/s={p['tokens_per_second']:.0f} loss={loss} failures={p['failures_survived']}",
+        tau = "" if p.get("heldout_tau") is None else f" tau={p['heldout_tau']:.2f}"
+        bar.set_postfix_str(f"tok/s={p['tokens_per_second']:.0f} loss={loss}{tau} failures={p['failures_survived']}",
                             refresh=False)
         bar.refresh()
         return bar

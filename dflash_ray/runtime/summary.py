@@ -47,12 +47,22 @@ def build_summary(run_spec, plan_summary: dict, report: dict, *, started: float,
         "max_batches_in_flight": report["max_batches_in_flight"], "flight_window": report["window"],
         "target_actors": report["targets"], "checkpoints": report["checkpoints"],
         "timeline_seconds": report.get("timeline", {}),
+        "heldout_tau_during_training": [{"step": e["step"], "tau": e["tau"]} for e in report.get("evals", [])],
+        "best": _best(run_spec, report.get("evals", [])),
         "measured": measured_rates(report["targets"], metrics, c.drafter_workers),
         "model": asdict(run_spec.drafter),
         "target_path": run_spec.target_path, "use_gpu": c.use_gpu,
         "checkpoint": checkpoint, "ledger": check,
         "export": str(Path(run_spec.run_dir) / "export"),
     }
+
+
+def _best(run_spec, evals: list) -> dict | None:
+    """The drafter with the best held-out tau during training, kept exported in <run.dir>/best."""
+    if not evals:
+        return None
+    top = max(evals, key=lambda e: e["tau"])
+    return {"step": top["step"], "tau": top["tau"], "dir": str(Path(run_spec.run_dir) / "best")}
 
 
 def measured_rates(targets: dict, metrics: list, drafter_workers: int) -> dict:
