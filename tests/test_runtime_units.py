@@ -295,3 +295,19 @@ def test_check_resources_names_what_the_cluster_lacks(ray_session):
         check_resources(SimpleNamespace(**{**vars(fits), "target_workers": 3}))
     with pytest.raises(UserError, match="GPUs but cluster.target_workers"):
         check_resources(SimpleNamespace(**{**vars(fits), "use_gpu": True}))
+
+
+def test_a_failed_heldout_evaluation_is_an_event_not_a_failed_run(ray_session, tmp_path):
+    import ray
+
+    from dflash_ray.runtime.coordinator import RunCoordinator
+
+    coord = ray.remote(RunCoordinator).options(num_cpus=0, max_concurrency=100).remote(str(tmp_path), "ev", 3, 2)
+    broken = SimpleNamespace(target_path=str(tmp_path / "no-target"))         # the task raises
+    ray.get(coord.evaluate_heldout.remote(broken, 10, [ray.put({})]), timeout=120)
+    report = ray.get(coord.report.remote(), timeout=60)
+    assert report["evals"] == []
+    events = [json.loads(line) for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert events[-1]["event"] == "heldout_eval_failed" and events[-1]["step"] == 10
+    assert not (tmp_path / "best").exists()
+    ray.kill(coord)

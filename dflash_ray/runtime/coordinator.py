@@ -272,9 +272,12 @@ class RunCoordinator:
                 "loss": self.last.get("loss"), "tokens_per_second": self.last.get("tokens_per_second", 0.0),
                 "failures_survived": self.failures_survived(), "epoch": self.last.get("epoch")}
 
-    async def report(self) -> dict:
-        async with self.cond:  # evaluations still running belong to this run's report
-            await self.cond.wait_for(lambda: self.evals_running == 0)
+    async def report(self, eval_timeout: float = 600.0) -> dict:
+        async with self.cond:  # evaluations still running belong to this run's report (within a bound)
+            try:
+                await asyncio.wait_for(self.cond.wait_for(lambda: self.evals_running == 0), eval_timeout)
+            except asyncio.TimeoutError:
+                self._event("heldout_eval_unfinished", running=self.evals_running, waited_s=eval_timeout)
         now = time.time()
         targets = {}
         total = sum(t["batches"] for t in self.targets.values()) or 1
