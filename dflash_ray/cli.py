@@ -52,9 +52,17 @@ def run_command(cmd: str, argv: list[str]) -> int:
     if cmd not in COMMANDS:
         print(f"dflash-ray: error: unknown command '{cmd}' (one of {', '.join(COMMANDS)})", file=sys.stderr)
         return 2
+    from omegaconf.errors import MissingMandatoryValue
+
     args = _parser(cmd).parse_intermixed_args(argv)
     try:
         return _dispatch(cmd, args)
+    except MissingMandatoryValue as e:  # a `???` value read where no require() named it
+        if args.debug:
+            raise
+        key = getattr(e, "full_key", None) or "?"
+        print(f"dflash-ray {cmd}: error: config key '{key}' must be set (e.g. {key}=...)", file=sys.stderr)
+        return 2
     except UserError as e:
         if args.debug:
             raise

@@ -26,6 +26,7 @@ def main_job(cfg, *, progress: bool = True, log=print, plan_log=print):
     from dflash_ray.data.report import format_plan
     from omegaconf import OmegaConf
 
+    from dflash_ray.errors import UserError
     from dflash_ray.runtime.checkpoint import export_latest
     from dflash_ray.runtime.cluster import check_resources, ray_cluster
     from dflash_ray.runtime.heldout import initial_and_trained_tau
@@ -33,6 +34,9 @@ def main_job(cfg, *, progress: bool = True, log=print, plan_log=print):
     from dflash_ray.runtime.summary import build_summary
     from dflash_ray.runtime.trainer import fit
 
+    required = sorted(OmegaConf.missing_keys(cfg) & {"data.tokenizer", "data.shards", "model.target_path"})
+    if required:  # before Ray starts: a run that cannot resolve should not cost a cluster start
+        raise UserError(f"config key '{required[0]}' must be set (e.g. {required[0]}=...)")
     with ray_cluster(OmegaConf.to_object(cfg.cluster), log=log):
         run_spec = resolve_spec(cfg, log=log)
         plan_summary = run_spec.build_plan(epoch=0).summary()

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One node with 8 GPUs: 6 TargetForward actors (one GPU each) + 2 drafter workers (DDP, NCCL).
 #   ray start --head                                   # on the GPU node
-#   jobs/8gpu.sh model.target_path=/models/Qwen3-8B data.shards=/data/shards [overrides...]
+#   jobs/8gpu.sh model.target_path=/models/Qwen3-8B data.tokenizer=/models/Qwen3-8B data.shards=/data/shards [overrides...]
 # The target directory and the shards must be readable on the node. Checkpoints go to
 # <run.dir>/ray_train unless train.storage_path is set. Rerunning the same run.name resumes the run.
 set -euo pipefail

@@ -2,7 +2,7 @@
 # Several 8-GPU nodes with shared storage (default split: 12 target + 4 drafter GPUs, cluster=multinode).
 #   head:    ray start --head
 #   workers: ray start --address=<head-ip>:6379
-#   jobs/multinode.sh model.target_path=/shared/Qwen3-8B data.shards=/shared/shards \
+#   jobs/multinode.sh model.target_path=/shared/Qwen3-8B data.tokenizer=/shared/Qwen3-8B data.shards=/shared/shards \
 #       train.storage_path=/shared/ray_train   # or s3://bucket/prefix
 # Checkpoints must be on storage every node reaches (NFS or S3): a restarted worker group may land on
 # another node. The ledger, metrics.jsonl, summary.json and export/ are written on the head node

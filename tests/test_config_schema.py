@@ -50,3 +50,29 @@ def test_cluster_yaml_options_name_every_schema_key():
 def test_nothing_reads_a_removed_knob(capsys):
     assert main(["train", "--cfg", "job", "train.log_every=1"]) == 2
     assert "unknown config key 'train.log_every'" in capsys.readouterr().err
+
+
+def test_a_missing_required_value_is_one_line_before_ray_starts(tmp_path, capsys):
+    """The 8-GPU job's usage without data.tokenizer: one line naming the key, exit 2, no cluster start."""
+    import ray
+
+    target = tmp_path / "t"
+    target.mkdir()
+    (target / "config.json").write_text("{}")
+    was_up = ray.is_initialized()
+    assert main(["train", "model=qwen3_8b", "data=sharegpt", f"model.target_path={target}",
+                 f"data.shards={tmp_path / 'shards'}", f"run.root={tmp_path}"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "dflash-ray train: error: config key 'data.tokenizer' must be set (e.g. data.tokenizer=...)"
+    assert ray.is_initialized() == was_up
+
+
+def test_job_scripts_name_every_required_key():
+    """The usage lines of jobs/8gpu.sh and jobs/multinode.sh give every `???` of model=qwen3_8b data=sharegpt
+    except data.input (shards made elsewhere need no input)."""
+    from omegaconf import OmegaConf
+
+    required = OmegaConf.missing_keys(compose_config(["model=qwen3_8b", "data=sharegpt"])) - {"data.input"}
+    for script in ("8gpu.sh", "multinode.sh"):
+        usage = (CONF_DIR.parent / "jobs" / script).read_text()
+        assert all(f"{key}=" in usage for key in required), (script, required)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from dflash_ray.config import ClusterConfig, TrainConfig
+from dflash_ray.config import ClusterConfig, TrainConfig, require
 from dflash_ray.data.plan import Plan, PlanSpec, build_plan
 from dflash_ray.errors import UserError
 from dflash_ray.model.drafter import DrafterConfig
@@ -82,7 +82,7 @@ def resolve_spec(cfg, log=print) -> RunSpec:
     run_dir = Path(cfg.run.dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     demo = ensure_corpus(cfg, log=log)
-    tok = AutoTokenizer.from_pretrained(str(cfg.data.tokenizer))
+    tok = AutoTokenizer.from_pretrained(str(require(cfg, "data.tokenizer")))
     vocab = len(tok)
     m = cfg.model
     target_path = m.target_path
