@@ -36,6 +36,9 @@ def _parser(cmd: str) -> argparse.ArgumentParser:
         p.add_argument("--plot", metavar="PNG", help="bucket sequence and run lengths per strategy")
     if cmd == "plot":
         p.add_argument("run_dir", nargs="?", help="a run directory (default: run.dir of the config)")
+    if cmd == "export":
+        p.add_argument("--dtype", default="target", choices=("target", "float32", "bfloat16", "float16"),
+                       help="weights' dtype (default: the target's, as serving engines load the drafter)")
     p.add_argument("overrides", nargs="*", help="config overrides")
     return p
 
@@ -254,7 +257,7 @@ def export_command(cfg, args) -> int:
     from dflash_ray.runtime.spec import resolve_spec
 
     run_spec = resolve_spec(cfg, log=lambda *a, **k: None)
-    exported = export_latest(run_spec)
+    exported = export_latest(run_spec, dtype=args.dtype)
     if exported is None:
         raise UserError(f"{run_spec.experiment_dir}: no checkpoint to export (train the run first)")
     print(f"exported {exported[0]} -> {exported[1]}")

@@ -1,5 +1,6 @@
 """Export writes what the reference `dflash.DFlashDraftModel.from_pretrained` loads, and loads back bit for bit."""
 import json
+import os
 
 import pytest
 import torch
@@ -86,3 +87,22 @@ def test_round_trip_is_bit_for_bit(exported, dtype, tmp_path):
         again = export_drafter(loaded, str(tmp_path / "again"))
         with open(f"{out}/model.safetensors", "rb") as a, open(f"{again}/model.safetensors", "rb") as b:
             assert a.read() == b.read()
+
+
+def test_target_dtype_reads_what_the_checkpoint_declares(tmp_path):
+    from dflash_ray.model.target import target_dtype
+
+    for key, value, want in (("dtype", "bfloat16", torch.bfloat16), ("torch_dtype", "float16", torch.float16),
+                             (None, None, torch.float32)):
+        d = tmp_path / str(key)
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"model_type": "qwen3", **({key: value} if key else {})}))
+        assert target_dtype(str(d)) == want
+
+
+def test_export_files_are_readable_by_others(exported):
+    import stat
+
+    for name in ("model.safetensors", "config.json"):
+        assert stat.S_IMODE(os.stat(f"{exported['dir']}/{name}").st_mode) == 0o644
+    assert stat.S_IMODE(os.stat(exported["dir"]).st_mode) == 0o755

@@ -88,7 +88,13 @@ def test_export_command_rewrites_export_from_latest_checkpoint(job_run, tiny_dat
     exported = load_weights_file(run / "export" / "model.safetensors")
     checkpoint = run / "ray_train" / "job" / Path(job_run["summary"]["checkpoint"]).name
     for k, v in load_weights(checkpoint).items():
-        assert torch.equal(exported[k], v), k
+        assert torch.equal(exported[k], v), k                     # the tiny target is fp32: so is the export
+    assert (run / "export" / "model.safetensors").stat().st_mode & 0o777 == 0o644
+    assert main(["export", "--dtype", "bfloat16", f"run.root={tmp_path}", "run.name=job", *tiny_data]) == 0
+    exported = load_weights_file(run / "export" / "model.safetensors")
+    for k, v in load_weights(checkpoint).items():
+        assert exported[k].dtype == torch.bfloat16 and torch.equal(exported[k], v.to(torch.bfloat16)), k
+    assert json.loads((run / "export" / "config.json").read_text())["dtype"] == "bfloat16"
 
 
 def load_weights_file(path):

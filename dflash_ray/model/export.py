@@ -10,6 +10,7 @@ hidden_norm.weight, norm.weight, ...). The target's embedding and head are not e
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import torch
@@ -53,6 +54,10 @@ def _write_export(drafter: DFlashDrafter, out_dir, dtype) -> None:
     )
     with open(Path(out_dir) / "config.json", "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
+    # readable by the serving engine's user too (safetensors writes 0600)
+    os.chmod(out_dir, 0o755)
+    for name in (WEIGHTS_NAME, "config.json"):
+        os.chmod(Path(out_dir) / name, 0o644)
 
 
 def load_drafter(out_dir: str, embed_weight: torch.Tensor, head_weight: torch.Tensor,

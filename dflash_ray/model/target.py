@@ -51,6 +51,15 @@ def build_synthetic_target(target_config: dict, vocab_size: int, out_dir: str, s
     return out_dir
 
 
+def target_dtype(path: str) -> torch.dtype:
+    """The dtype a Hugging Face checkpoint declares (`dtype`, or `torch_dtype` before transformers 5);
+    float32 when it declares none."""
+    config = json.loads((Path(path) / "config.json").read_text())
+    config = config.get("text_config", config) if "dtype" not in config and "torch_dtype" not in config else config
+    name = config.get("dtype") or config.get("torch_dtype") or "float32"
+    return getattr(torch, str(name).replace("torch.", ""))
+
+
 def load_target(path: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
     """Load a HF causal LM, frozen and in eval mode. bf16 on CUDA, fp32 on the CPU unless `dtype` says otherwise."""
     from transformers import AutoModelForCausalLM

@@ -190,11 +190,13 @@ def save_checkpoint(*, rank: int, world_size: int, drafter, optimizer, scheduler
         ray.train.report({**cursor_metrics(cursor), **metrics}, checkpoint=Checkpoint.from_directory(str(tmp)))
 
 
-def export_latest(run_spec) -> tuple[str, str] | None:
+def export_latest(run_spec, dtype: str = "target") -> tuple[str, str] | None:
     """Write the drafter of the run's latest checkpoint (local or remote storage) to <run.dir>/export, as
-    a Hugging Face directory the reference `dflash` package loads. Returns (checkpoint, export dir), or
-    None when the run has no checkpoint."""
+    a Hugging Face directory the reference `dflash` package loads, in the target's dtype unless `dtype`
+    names one (serving engines load the drafter beside the target, in its dtype; bf16 is also half the
+    file). Returns (checkpoint, export dir), or None when the run has no checkpoint."""
     from dflash_ray.model.export import export_drafter
+    from dflash_ray.model.target import target_dtype
     from dflash_ray.runtime.step import build_run_drafter
 
     _, checkpoint = latest_checkpoint(run_spec.experiment_dir)
@@ -204,4 +206,5 @@ def export_latest(run_spec) -> tuple[str, str] | None:
         read_state(d)
         drafter = build_run_drafter(run_spec, torch.device("cpu"))
         drafter.load_state_dict(load_weights(d), strict=True)
-    return checkpoint, export_drafter(drafter, str(Path(run_spec.run_dir) / "export"))
+    out_dtype = target_dtype(run_spec.target_path) if dtype == "target" else getattr(torch, dtype)
+    return checkpoint, export_drafter(drafter, str(Path(run_spec.run_dir) / "export"), dtype=out_dtype)
