@@ -97,8 +97,10 @@ def train_loop_per_worker(config: dict) -> None:
     drafter = build_run_drafter(run_spec, device)
     model = LossModule(drafter)
     if world_size > 1:
+        # gradient_as_bucket_view: the gradients live in DDP's all-reduce buckets (no second copy of them)
         model = nn.parallel.DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False)
+            model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False,
+            gradient_as_bucket_view=True)
     opt, sched = make_optimizer(run_spec.train, drafter, feed["schedule_steps"])
 
     cursor = Cursor()
