@@ -76,6 +76,8 @@ class ClusterConfig:
     target_workers: int = 1
     drafter_workers: int = 2
     target_resource: str = "target_slot"
+    target_gpus: float = 1.0         # GPU share of each target actor (use_gpu; < 1 shares a GPU)
+    drafter_gpus: float = 1.0        # GPU share of each drafter worker (use_gpu; < 1 shares a GPU)
     max_batches_in_flight: int = 4
     target_tokens_per_gpu: Optional[float] = None   # measured rates for the capacity model (plan)
     drafter_tokens_per_gpu: Optional[float] = None
@@ -140,7 +142,7 @@ class RootConfig:
 
 CHOICES = {"data.overlong": ("truncate", "drop"),
            "data.interleave": ("default", "stride", "sequential", "random", "diversity")}
-MINIMUM = {"model.block_size": 2, "model.num_draft_layers": 1, "model.num_anchors": 1,
+MINIMUM = {"cluster.target_gpus": 0.01, "cluster.drafter_gpus": 0.01, "model.block_size": 2, "model.num_draft_layers": 1, "model.num_anchors": 1,
            "data.shard_size": 1, "data.max_tokens_per_batch": 1, "data.chunk_batches": 1,
            "cluster.target_workers": 1, "cluster.drafter_workers": 1, "cluster.max_batches_in_flight": 1,
            "train.epochs": 1, "train.grad_accum": 1, "train.checkpoint_every": 1, "train.num_to_keep": 1,

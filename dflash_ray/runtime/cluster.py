@@ -47,10 +47,11 @@ def check_resources(cluster) -> None:
     total = ray.cluster_resources()
     c = cluster
     if c.use_gpu:
-        need = c.target_workers + c.drafter_workers
-        if total.get("GPU", 0) < need:
-            raise UserError(f"cluster has {total.get('GPU', 0):g} GPUs but cluster.target_workers + "
-                            f"cluster.drafter_workers = {need}")
+        need = c.target_workers * c.target_gpus + c.drafter_workers * c.drafter_gpus
+        if total.get("GPU", 0) < need - 1e-9:
+            raise UserError(f"cluster has {total.get('GPU', 0):g} GPUs but cluster.target_workers x target_gpus + "
+                            f"cluster.drafter_workers x drafter_gpus = {c.target_workers} x {c.target_gpus:g} + "
+                            f"{c.drafter_workers} x {c.drafter_gpus:g} = {need:g}")
     elif total.get(c.target_resource, 0) < c.target_workers:
         raise UserError(f"cluster has {total.get(c.target_resource, 0):g} of resource '{c.target_resource}' "
                         f"but cluster.target_workers = {c.target_workers} (start Ray with "
@@ -61,6 +62,15 @@ def check_resources(cluster) -> None:
         raise UserError(f"cluster has {total.get('CPU', 0):g} CPUs but cluster.drafter_workers = "
                         f"{c.drafter_workers} and cluster.target_workers = {c.target_workers} need "
                         f"{need_cpu:g} (on one machine, raise cluster.num_cpus: oversubscribing is fine)")
+
+
+def cap_gpu_memory(share: float) -> None:
+    """A process holding a share (< 1) of a GPU may allocate only that share of its memory, so a target
+    actor and a drafter worker on one GPU cannot starve each other. No-op without CUDA or for a whole GPU."""
+    import torch
+
+    if share < 1 and torch.cuda.is_available():
+        torch.cuda.set_per_process_memory_fraction(float(share), torch.cuda.current_device())
 
 
 def start_coordinator(run_spec, num_buckets: int):

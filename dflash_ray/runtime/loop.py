@@ -79,7 +79,12 @@ def train_loop_per_worker(config: dict) -> None:
     rank, world_size = ctx.get_world_rank(), ctx.get_world_size()
     use_gpu = run_spec.cluster.use_gpu
     device = ray.train.torch.get_device() if use_gpu else torch.device("cpu")
-    if not use_gpu:
+    if use_gpu:
+        from dflash_ray.runtime.cluster import cap_gpu_memory
+
+        torch.cuda.set_device(device)
+        cap_gpu_memory(run_spec.cluster.drafter_gpus)
+    else:
         torch.set_num_threads(int(config.get("threads", 1)))
     grad_accum, per_step = run_spec.train.grad_accum, run_spec.batches_per_step
     shard = ray.train.get_dataset_shard("train")

@@ -118,7 +118,7 @@ class TargetForward:
     features for each batch. Ray restarts a killed actor (Ray Data retries its batch on a live one)."""
 
     def __init__(self, target_path: str, layer_ids: list, use_gpu: bool, coordinator: str, namespace: str,
-                 threads: int = 1):
+                 threads: int = 1, gpu_share: float = 1.0):
         import ray
         import torch
 
@@ -127,6 +127,10 @@ class TargetForward:
         if not use_gpu:
             torch.set_num_threads(max(1, threads))
         self.device = torch.device("cuda" if use_gpu else "cpu")
+        if use_gpu:
+            from dflash_ray.runtime.cluster import cap_gpu_memory
+
+            cap_gpu_memory(gpu_share)
         # only the embedding and layers 0..max(tap): later layers and the LM head are never loaded
         self.extract = load_feature_extractor(target_path, list(layer_ids), device=self.device)
         self.key = ray.get_runtime_context().get_actor_id()[:12]
@@ -189,11 +193,12 @@ class DatasetFactory:
             fn_kwargs=dict(feed=_Ref(feed_ref), tokens=self.tokens, coordinator=s.coordinator,
                            namespace=s.namespace, gen=gen, pad_id=s.pad_token_id, block_size=s.drafter.block_size))
         if c.use_gpu:
-            res = dict(num_gpus=1, num_cpus=1)
+            res = dict(num_gpus=c.target_gpus, num_cpus=1)
         else:
             res = dict(num_cpus=0.5, resources={c.target_resource: 1})
         return ds.map_batches(
             TargetForward, batch_size=1, compute=ActorPoolStrategy(size=c.target_workers),
             fn_constructor_kwargs=dict(target_path=s.target_path, layer_ids=list(s.drafter.target_layer_ids),
-                                       use_gpu=c.use_gpu, coordinator=s.coordinator, namespace=s.namespace),
+                                       use_gpu=c.use_gpu, coordinator=s.coordinator, namespace=s.namespace,
+                                       gpu_share=c.target_gpus),
             **res)

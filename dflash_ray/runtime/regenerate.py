@@ -87,7 +87,8 @@ def regenerate(input_path: str, output_path: str, *, target_dir: str, tokenizer_
     counts["skipped: already in the output"] = len(rows) - len(todo)
     out.parent.mkdir(parents=True, exist_ok=True)
     if todo:
-        res = dict(num_gpus=1) if cluster.use_gpu else dict(num_cpus=0.5, resources={cluster.target_resource: 1})
+        res = (dict(num_gpus=getattr(cluster, "target_gpus", 1.0)) if cluster.use_gpu
+               else dict(num_cpus=0.5, resources={cluster.target_resource: 1}))
         per_block = max(1, batch_size)
         ds = ray.data.from_items([{"row": json.dumps(r)} for r in todo],
                                  override_num_blocks=max(1, -(-len(todo) // per_block)))

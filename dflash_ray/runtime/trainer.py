@@ -38,7 +38,7 @@ def fit(run_spec, num_buckets: int, *, progress: bool = True) -> FitOutcome:
         train_loop_config={"spec": run_spec, "threads": 1},  # one torch thread per worker: measured best on CPUs
         torch_config=TorchConfig(backend="nccl" if c.use_gpu else "gloo"),
         scaling_config=ScalingConfig(num_workers=c.drafter_workers, use_gpu=c.use_gpu,
-                                     resources_per_worker=None if c.use_gpu else {"CPU": 1}),
+                                     resources_per_worker={"GPU": c.drafter_gpus, "CPU": 1} if c.use_gpu else {"CPU": 1}),
         run_config=RunConfig(
             name=run_spec.name, storage_path=run_spec.storage_path,
             checkpoint_config=CheckpointConfig(num_to_keep=t.num_to_keep),
