@@ -36,6 +36,7 @@ class ModelConfig:
     block_size: int = 16
     mask_token_id: Optional[int] = None
     num_anchors: int = 512
+    anchors_per_batch: Optional[int] = None   # blocks per batch over all its rows (None: num_anchors per row only)
     loss_gamma: Optional[float] = None
 
 
@@ -142,7 +143,7 @@ class RootConfig:
 
 CHOICES = {"data.overlong": ("truncate", "drop"),
            "data.interleave": ("default", "stride", "sequential", "random", "diversity")}
-MINIMUM = {"cluster.target_gpus": 0.01, "cluster.drafter_gpus": 0.01, "model.block_size": 2, "model.num_draft_layers": 1, "model.num_anchors": 1,
+MINIMUM = {"model.anchors_per_batch": 1, "cluster.target_gpus": 0.01, "cluster.drafter_gpus": 0.01, "model.block_size": 2, "model.num_draft_layers": 1, "model.num_anchors": 1,
            "data.shard_size": 1, "data.max_tokens_per_batch": 1, "data.chunk_batches": 1,
            "cluster.target_workers": 1, "cluster.drafter_workers": 1, "cluster.max_batches_in_flight": 1,
            "train.epochs": 1, "train.grad_accum": 1, "train.checkpoint_every": 1, "train.num_to_keep": 1,

@@ -435,3 +435,33 @@ def test_bf16_autocast_step_runs_and_agrees(setup):
     assert torch.equal(out.slot_count, ref.slot_count)
     assert math.isclose(out.loss.item(), ref.loss.item(), rel_tol=0.03)
     d.zero_grad()
+
+
+def test_anchor_quota_by_hand():
+    """Caps first; over the batch budget, shares in proportion to valid anchors (largest remainders)."""
+    from dflash_ray.model.drafter import anchor_quota
+
+    assert anchor_quota([3, 10, 600], 512, None) == [3, 10, 512]
+    assert anchor_quota([3, 10, 600], 512, 1000) == [3, 10, 512]             # under the budget: caps only
+    # 30 short rows of 100 valid anchors and a budget of 600: 20 each (the same density as a long row)
+    assert anchor_quota([100] * 30, 512, 600) == [20] * 30
+    # 100 / 300 / 600 valid, budget 100: exact shares 10 / 30 / 60
+    assert anchor_quota([100, 300, 600], 512, 100) == [10, 30, 60]
+    # 1 / 1 / 1 valid, budget 2: shares 2/3 each -> the leftover goes to the first rows (ties by index)
+    assert anchor_quota([1, 1, 1], 512, 2) == [1, 1, 0]
+    # 10 / 1000 / 1000 valid, cap 40, budget 60: shares 0.30 / 29.85 / 29.85 -> 0 / 30 / 30
+    assert anchor_quota([10, 1000, 1000], 40, 60) == [0, 30, 30]
+    # a row capped below its share hands the rest on: 10 / 1000 / 100 valid, cap 40, budget 70 -> shares
+    # 0.63 / 63.1 / 6.31; row 1 stops at 40, the 24 left go round rows 0 and 2 until row 0 reaches its 10
+    assert anchor_quota([10, 1000, 100], 40, 70) == [10, 40, 20]
+
+
+def test_a_batch_anchor_budget_bounds_blocks_and_keeps_density(setup):
+    """With anchors_per_batch the drafter trains at most that many blocks per batch, spread by valid anchors."""
+    s, d = setup, copy.deepcopy(setup["drafter"])
+    d.num_anchors, d.anchors_per_batch = 64, 12
+    anchors, valid = d.sample_anchors(s["loss_mask"], s["lengths"], torch.Generator().manual_seed(0))
+    per_row = valid.sum(1).tolist()
+    assert sum(per_row) == 12
+    # valid anchors: sample 0 has 14 + 9 = 23 (a in 10..23 and 30..38), sample 1 has 22 (a in 6..27)
+    assert per_row == [6, 6]                           # 12 x 23/45 = 6.13, 12 x 22/45 = 5.87 -> 6, 6

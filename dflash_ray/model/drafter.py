@@ -44,6 +44,33 @@ class DrafterConfig:
     target_layer_ids: tuple[int, ...] | None = None
     loss_gamma: float | None = None
     mask_token_id: int | None = None
+    anchors_per_batch: int | None = None   # blocks per batch (all rows), spread in proportion to each row's
+                                           # valid anchors: the drafter's work per step; None = no bound
+
+
+def anchor_quota(valid: list[int], per_row: int, per_batch: int | None) -> list[int]:
+    """Anchors each row trains: at most `per_row` and its valid count; when the rows' caps add up to more
+    than `per_batch`, shares in proportion to the valid counts (largest remainders get the leftover), so a
+    batch of many short rows and a batch of two long ones cost the drafter the same and train at the same
+    anchor density."""
+    caps = [min(int(v), int(per_row)) for v in valid]
+    if per_batch is None or sum(caps) <= per_batch:
+        return caps
+    total = sum(valid)
+    exact = [per_batch * v / total for v in valid]
+    quota = [min(c, int(e)) for c, e in zip(caps, exact)]
+    order = sorted(range(len(valid)), key=lambda i: (-(exact[i] - int(exact[i])), i))
+    left = per_batch - sum(quota)
+    while left > 0:
+        moved = False
+        for i in order:
+            if left and quota[i] < caps[i]:
+                quota[i] += 1
+                left -= 1
+                moved = True
+        if not moved:
+            break
+    return quota
 
 
 def drafter_config(target_hf_config, num_draft_layers: int, block_size: int, mask_token_id: int,
@@ -82,7 +109,7 @@ class DraftContextCache:
 class DFlashDrafter(nn.Module):
     def __init__(self, config: Qwen3Config, embed_weight: torch.Tensor, head_weight: torch.Tensor,
                  num_anchors: int = 512, loss_gamma: float | None = None, attention_backend: str = "auto",
-                 ce_chunk_rows: int = 1024):
+                 ce_chunk_rows: int = 1024, anchors_per_batch: int | None = None):
         super().__init__()
         self.config = config
         dflash = getattr(config, "dflash_config", None) or {}
@@ -91,6 +118,7 @@ class DFlashDrafter(nn.Module):
         self.target_layer_ids = list(dflash.get("target_layer_ids", getattr(config, "target_layer_ids", None)))
         self.num_target_layers = int(config.num_target_layers)
         self.num_anchors = int(num_anchors)
+        self.anchors_per_batch = None if anchors_per_batch is None else int(anchors_per_batch)
         self.loss_gamma = float(loss_gamma) if loss_gamma is not None else default_gamma(self.block_size)
         self.attention_backend = attention_backend
         self.ce_chunk_rows = int(ce_chunk_rows)
@@ -159,7 +187,8 @@ class DFlashDrafter(nn.Module):
 
     # ------------------------------------------------------------------ training
     def sample_anchors(self, loss_mask: torch.Tensor, lengths: torch.Tensor, generator: torch.Generator):
-        """Up to num_anchors distinct anchors per sample, sorted, where loss_mask[a] and loss_mask[a+1]
+        """Distinct anchors per sample (`anchor_quota`: up to num_anchors, and anchors_per_batch over the
+        batch), sorted, where loss_mask[a] and loss_mask[a+1]
         hold, a >= 1 (the block has context) and a+1 < length. Returns (anchors [B, N], valid [B, N]);
         padding anchors are 0 and invalid. Sampling runs on the generator's device."""
         device = loss_mask.device
@@ -168,12 +197,13 @@ class DFlashDrafter(nn.Module):
         pos = torch.arange(seq - 1, device=device)
         ok = lm[:, :-1] & lm[:, 1:] & (pos[None] >= 1) & (pos[None] + 1 < lengths.to(device)[:, None])
         ok = ok.to(generator.device)
+        quota = anchor_quota(ok.sum(1).tolist(), self.num_anchors, self.anchors_per_batch)
         chosen = []
         for b in range(bsz):
             cand = ok[b].nonzero()[:, 0]
-            if cand.numel() > self.num_anchors:
+            if cand.numel() > quota[b]:
                 pick = torch.randperm(cand.numel(), generator=generator, device=generator.device)
-                cand = cand[pick[: self.num_anchors]].sort().values
+                cand = cand[pick[: quota[b]]].sort().values
             chosen.append(cand)
         n = max([c.numel() for c in chosen] + [1])
         anchors = torch.zeros(bsz, n, dtype=torch.long)
@@ -281,7 +311,8 @@ def build_drafter(cfg: DrafterConfig, target_hf_config, embed_weight, head_weigh
         mask_token_id = default_mask_token_id(embed_weight.shape[0])
     config = drafter_config(target_hf_config, num_draft_layers=cfg.num_draft_layers, block_size=cfg.block_size,
                             mask_token_id=mask_token_id, target_layer_ids=cfg.target_layer_ids)
-    kwargs = dict(num_anchors=cfg.num_anchors, loss_gamma=cfg.loss_gamma, attention_backend=attention_backend)
+    kwargs = dict(num_anchors=cfg.num_anchors, loss_gamma=cfg.loss_gamma, attention_backend=attention_backend,
+                  anchors_per_batch=cfg.anchors_per_batch)
     if seed is None:
         return DFlashDrafter(config, embed_weight, head_weight, **kwargs)
     with torch.random.fork_rng(devices=[]):

@@ -128,7 +128,8 @@ def resolve_spec(cfg, log=print) -> RunSpec:
     drafter = DrafterConfig(num_draft_layers=int(m.num_draft_layers), block_size=int(m.block_size),
                             num_anchors=int(m.num_anchors), target_layer_ids=tuple(layer_ids),
                             loss_gamma=None if m.loss_gamma is None else float(m.loss_gamma),
-                            mask_token_id=int(mask_id))
+                            mask_token_id=int(mask_id),
+                            anchors_per_batch=None if m.anchors_per_batch is None else int(m.anchors_per_batch))
     return RunSpec(
         name=str(cfg.run.name), run_dir=str(run_dir), storage_path=storage, seed=int(cfg.seed),
         shards=str(Path(cfg.data.shards).resolve()), tokenizer=str(cfg.data.tokenizer), target_path=str(target_path),
