@@ -1,0 +1,99 @@
+"""Drafter memory per training step, by length bucket, with and without the per-batch anchor budget.
+
+    .venv/bin/python benchmarks/bench_step_memory.py [--check] [--json]
+
+A scaled Qwen3-8B drafter (width 256 = 1/16, 2 layers, block 16) trains one step (forward + backward of
+the real loss) on a batch of each bucket of the seed run's boundaries scaled by 1/4 (128 .. 2048 tokens,
+a target budget of 4096 padded tokens: 32 rows of 128 down to 2 rows of 2048), 90% of each row
+supervised. `num_anchors` 128 per row (512 / 4). Each measurement runs in a fresh process: the step's
+peak resident memory above the process's memory just before the step (ru_maxrss; Linux, KiB).
+
+Goal: with `anchors_per_batch` (128 here = 2048 block tokens per batch) the largest bucket's step needs
+at most 1.5x the memory of the smallest's (`--check` exits 1 otherwise). Without it, a batch of many
+short rows carries many more blocks than a batch of two long ones.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+BOUNDARIES = [128, 256, 384, 576, 824, 2048]   # the seed run's six buckets, scaled by 1/4
+TOKEN_BUDGET = 4096
+NUM_ANCHORS = 128
+ANCHORS_PER_BATCH = 128
+GOAL = 1.5
+
+
+def measure(length: int, anchors_per_batch: int | None) -> dict:
+    """One step in this process; returns its peak memory above the memory before it (MiB)."""
+    import resource
+
+    import torch
+    from transformers import Qwen3Config
+
+    from dflash_ray.model.drafter import DrafterConfig, build_drafter
+
+    torch.set_num_threads(2)
+    hidden, vocab, block = 256, 4096, 16
+    target = Qwen3Config(hidden_size=hidden, intermediate_size=768, num_hidden_layers=8, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=64, vocab_size=vocab, max_position_embeddings=4096)
+    embed = torch.randn(vocab, hidden) * 0.02
+    cfg = DrafterConfig(num_draft_layers=2, block_size=block, num_anchors=NUM_ANCHORS, mask_token_id=vocab - 1,
+                        anchors_per_batch=anchors_per_batch)
+    drafter = build_drafter(cfg, target, embed, embed, seed=0, attention_backend="sdpa")
+    rows = max(1, TOKEN_BUDGET // length)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab - 1, (rows, length), generator=g)
+    mask = torch.ones(rows, length, dtype=torch.long)
+    mask[:, : length // 10] = 0                                     # a prompt, then the answer
+    lengths = torch.full((rows,), length)
+    context = torch.randn(rows, length, hidden * len(drafter.target_layer_ids), generator=g)
+    before = _rss_kib()
+    out = drafter.training_loss(ids, mask, context, lengths, torch.Generator().manual_seed(1))
+    (out.loss_sum / out.weight_sum).backward()
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return {"length": length, "rows": rows, "blocks": int(out.num_blocks), "anchors_per_batch": anchors_per_batch,
+            "peak_mib": max(0, peak - before) / 1024}
+
+
+def _rss_kib() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") // 1024
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="exit 1 when the budgeted max/min exceeds the goal")
+    ap.add_argument("--json", action="store_true")
+    ap.add_argument("--child", nargs=2, metavar=("LENGTH", "BUDGET"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.child:
+        budget = None if args.child[1] == "none" else int(args.child[1])
+        print(json.dumps(measure(int(args.child[0]), budget)))
+        return 0
+    results = {}
+    for budget in (None, ANCHORS_PER_BATCH):
+        for length in BOUNDARIES:
+            out = subprocess.run([sys.executable, __file__, "--child", str(length), str(budget or "none")],
+                                 capture_output=True, text=True, check=True)
+            results.setdefault(str(budget), []).append(json.loads(out.stdout.strip().splitlines()[-1]))
+    ratios = {k: max(r["peak_mib"] for r in v) / max(min(r["peak_mib"] for r in v), 1e-9) for k, v in results.items()}
+    passed = ratios[str(ANCHORS_PER_BATCH)] <= GOAL
+    if args.json:
+        print(json.dumps({"results": results, "max_over_min": ratios, "goal": GOAL, "pass": passed}, indent=2))
+    else:
+        print(f"{'bucket (tokens)':>16} {'rows':>5} | {'blocks':>7} {'peak MiB':>9} (num_anchors only) | "
+              f"{'blocks':>7} {'peak MiB':>9} (anchors_per_batch={ANCHORS_PER_BATCH})")
+        for a, b in zip(results["None"], results[str(ANCHORS_PER_BATCH)]):
+            print(f"{a['length']:>16} {a['rows']:>5} | {a['blocks']:>7} {a['peak_mib']:>9.0f}                     | "
+                  f"{b['blocks']:>7} {b['peak_mib']:>9.0f}")
+        print(f"max/min peak: {ratios['None']:.2f} without the budget, {ratios[str(ANCHORS_PER_BATCH)]:.2f} with it "
+              f"(goal <= {GOAL}: {'PASS' if passed else 'FAIL'})")
+    return 1 if (args.check and not passed) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
