@@ -48,6 +48,14 @@ CPU_SMALL = dict(hidden=256, layers=2, heads=4, kv_heads=2, head_dim=64, interme
                  vocab=8192, block=16, anchors=32, context=512, target_layers=12, batch=1)
 
 
+def write_json(path: str, figures: dict) -> None:
+    import json
+
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(figures, f, indent=2, default=str)
+
+
 def parse_args():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--cpu-small", action="store_true", help="scaled-down shape (default when no CUDA)")
@@ -60,6 +68,9 @@ def parse_args():
     p.add_argument("--peak-tflops", type=float, default=None)
     p.add_argument("--ce-chunk-rows", type=int, default=1024)
     p.add_argument("--threads", type=int, default=1, help="CPU threads (1: steadier on a shared machine)")
+    p.add_argument("--anchors-per-batch", type=int, default=None,
+                   help="the per-batch anchor budget (model.anchors_per_batch; Qwen3-8B config: 512)")
+    p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     p.add_argument("--check", action="store_true", help="exit 1 when any goal fails")
     return p.parse_args()
 
@@ -123,7 +134,7 @@ def main():
     embed = torch.randn(shape["vocab"], shape["hidden"], dtype=head_dtype, device=device) * 0.02
     head = torch.randn(shape["vocab"], shape["hidden"], dtype=head_dtype, device=device) * 0.02
     drafter = DFlashDrafter(config, embed, head, num_anchors=shape["anchors"], attention_backend=args.backend,
-                            ce_chunk_rows=args.ce_chunk_rows).to(device)
+                            ce_chunk_rows=args.ce_chunk_rows, anchors_per_batch=args.anchors_per_batch).to(device)
     compiled = cuda and not args.no_compile
     if compiled:
         drafter.compile_layers()
@@ -225,6 +236,13 @@ def main():
     failed = sum(ok is False for _, _, ok, _ in goals)
     applied = sum(ok is not None for _, _, ok, _ in goals)
     print(f"  {applied - failed} of {applied} applicable goals met" + (f", {failed} FAILED" if failed else ""))
+    if args.json:
+        write_json(args.json, {
+            "device": rows[0][1], "shape": shape, "batch": bsz, "context": s, "anchors_per_row": n_anchor,
+            "anchors_per_batch": args.anchors_per_batch, "blocks": int(out.num_blocks), "compiled": compiled,
+            "step_ms_median": elapsed * 1e3, "peak_memory_gib": peak_mem, "memory": mem_label,
+            "tflop_per_step": flops / 1e12, "mfu": mfu, "peak_tflops": peak / 1e12, "losses_finite": finite,
+            "goals": [{"what": w, "value": v, "pass": ok, "note": n} for w, v, ok, n in goals]})
     if args.check and failed:
         sys.exit(1)
 

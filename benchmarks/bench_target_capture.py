@@ -51,6 +51,7 @@ def parse_args():
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--threads", type=int, default=1, help="CPU threads (1: steadier on a shared machine)")
     p.add_argument("--check", action="store_true", help="exit 1 when any goal fails")
+    p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     p.add_argument("--variant", choices=["plain", "extractor"], help=argparse.SUPPRESS)
     p.add_argument("--shape-json", help=argparse.SUPPRESS)
     return p.parse_args()
@@ -213,6 +214,14 @@ def main():
         print(f"  {what:<{gw}}  {value:>8}  {'PASS' if ok else 'FAIL'}  ({note})")
     failed = sum(not ok for _, _, ok, _ in goals)
     print(f"  {len(goals) - failed} of {len(goals)} goals met" + (f", {failed} FAILED" if failed else ""))
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({"device": rows[0][1], "shape": shape, "features_equal": bool(same),
+                       "tokens_per_second": {"plain_hidden_states": tokens / tp, "extractor": tokens / te},
+                       "speedup": speedup, "peak_memory_gib": {"plain_hidden_states": mp, "extractor": me},
+                       "goals": [{"what": w, "value": v, "pass": bool(ok), "note": n} for w, v, ok, n in goals]},
+                      f, indent=2)
     if args.check and failed:
         sys.exit(1)
 

@@ -1,0 +1,166 @@
+"""The runtime's GPU-only code paths, without Ray (the lent GPU machine has no Ray, OmegaConf or Hydra):
+
+    collective   the real `train_step` on a drafter on the device, bf16 autocast, its stats vector
+                 all-reduced on a torch.distributed process group of world size 1 (NCCL on CUDA: a CPU
+                 tensor there fails with "No backend type associated with device type cpu")
+    features     bf16 context features on the device -> the row encoding (int16 bits) -> back, bit for bit
+    checkpoint   write_checkpoint / load_checkpoint of a drafter, AdamW and scheduler living on the device;
+                 the restored weights and optimizer state equal the saved ones
+
+    python benchmarks/gpu_check.py --out FILE.json [--device cpu]   # cpu: the same code on gloo
+
+Writes one JSON: {"device", "collective", "features", "checkpoint", "ok"}; exit 1 when a part fails.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+
+def tiny_drafter(device):
+    import torch
+    from transformers import Qwen3Config
+
+    from dflash_ray.model.drafter import DrafterConfig, build_drafter
+
+    vocab, hidden = 512, 128
+    target = Qwen3Config(hidden_size=hidden, intermediate_size=256, num_hidden_layers=6, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=32, vocab_size=vocab, max_position_embeddings=1024)
+    embed = (torch.randn(vocab, hidden, generator=torch.Generator().manual_seed(0)) * 0.02).to(device)
+    if device.type == "cuda":  # the target's frozen embedding/head in its dtype, as from a bf16 checkpoint
+        embed = embed.to(torch.bfloat16)
+    cfg = DrafterConfig(num_draft_layers=2, block_size=8, num_anchors=16, mask_token_id=vocab - 1, anchors_per_batch=24)
+    return build_drafter(cfg, target, embed, embed, seed=0).to(device)
+
+
+def check_collective(device) -> dict:
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    from dflash_ray.runtime.rows import TrainRow, encode_features, token_row
+    from dflash_ray.runtime.step import LossModule, make_optimizer, train_step
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    try:
+        drafter = tiny_drafter(device)
+        model = torch.nn.parallel.DistributedDataParallel(
+            LossModule(drafter), device_ids=[device.index or 0] if device.type == "cuda" else None,
+            broadcast_buffers=False, gradient_as_bucket_view=True)
+        train = argparse.Namespace(lr=1e-3, weight_decay=0.0, warmup_ratio=0.0)
+        opt, sched = make_optimizer(train, drafter, 10)
+        g = torch.Generator().manual_seed(1)
+        rows = []
+        for index in range(2):
+            ids = torch.randint(0, 500, (3, 64), generator=g).numpy().astype(np.int32)
+            mask = np.ones_like(ids, dtype=np.int8)
+            mask[:, :8] = 0
+            feats = torch.randn(3, 64, 128 * len(drafter.target_layer_ids), generator=g).to(device)
+            if device.type == "cuda":
+                feats = feats.to(torch.bfloat16)
+            context, dtype = encode_features(feats)
+            cols = token_row(dict(index=index, epoch=0, position=index, epoch_batches=2, bucket=0, num_tokens=192),
+                             1, ids, mask, np.full(3, 64))
+            rows.append(TrainRow.from_batch({**cols, "context": context[None], "context_dtype": np.array([dtype])}))
+        if device.type == "cuda":
+            autocast = lambda: torch.autocast("cuda", dtype=torch.bfloat16)  # noqa: E731
+        else:
+            import contextlib
+            autocast = contextlib.nullcontext
+        t0 = time.perf_counter()
+        result = train_step(model, drafter, opt, sched, rows, rank=0, workers=1, batches_per_step=2, seed=0,
+                            grad_clip=1.0, device=device, autocast=autocast, all_reduce=dist.all_reduce)
+        return {"ok": bool(np.isfinite(result.loss)) and result.positions == [0, 1], "backend": backend,
+                "loss": result.loss, "train_tau": result.train_tau, "seconds": time.perf_counter() - t0}
+    finally:
+        dist.destroy_process_group()
+
+
+def check_features(device) -> dict:
+    import torch
+
+    from dflash_ray.runtime.rows import decode_features, encode_features
+
+    x = torch.randn(2, 33, 640, device=device).to(torch.bfloat16)
+    array, name = encode_features(x)
+    y = decode_features(array, name).to(device)
+    return {"ok": name == "bfloat16" and y.dtype == torch.bfloat16 and torch.equal(x, y),
+            "bytes_per_value": int(array.dtype.itemsize)}
+
+
+def check_checkpoint(device) -> dict:
+    import torch
+
+    from dflash_ray.runtime.checkpoint import load_checkpoint, write_checkpoint
+    from dflash_ray.runtime.feed import Cursor
+    from dflash_ray.runtime.step import lr_lambda
+
+    def fresh():
+        d = tiny_drafter(device)
+        opt = torch.optim.AdamW(d.trainable_parameters(), lr=1e-3)
+        return d, opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(10, 0.1))
+
+    drafter, opt, sched = fresh()
+    for p in drafter.trainable_parameters():
+        p.grad = torch.randn_like(p)
+    opt.step()
+    sched.step()
+    with tempfile.TemporaryDirectory() as tmp:
+        t0 = time.perf_counter()
+        write_checkpoint(Path(tmp), drafter=drafter, optimizer=opt, scheduler=sched, cursor=Cursor(0, 4, 2),
+                         world_size=1)
+        seconds = time.perf_counter() - t0
+        d2, opt2, sched2 = fresh()
+        cursor = load_checkpoint(Path(tmp), drafter=d2, optimizer=opt2, scheduler=sched2, rank=0)
+    same_weights = all(torch.equal(a, b) for a, b in zip(drafter.state_dict().values(), d2.state_dict().values()))
+    s1, s2 = opt.state_dict()["state"], opt2.state_dict()["state"]
+    same_optim = all(torch.equal(s1[k]["exp_avg"].cpu(), s2[k]["exp_avg"].cpu()) for k in s1)
+    on_device = all(p.device.type == device.type for p in d2.parameters())
+    return {"ok": same_weights and same_optim and on_device and cursor == Cursor(0, 4, 2) and sched2.last_epoch == 1,
+            "write_seconds": seconds, "weights_equal": same_weights, "optimizer_equal": same_optim,
+            "restored_on_device": on_device}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True, help="the JSON of results")
+    ap.add_argument("--device", default=None, help="cuda (default when available) or cpu")
+    args = ap.parse_args(argv)
+    import torch
+
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda":
+        torch.cuda.set_device(0)
+        device = torch.device("cuda", 0)
+    else:
+        torch.set_num_threads(1)
+    report = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
+              "torch": torch.__version__}
+    for name, check in (("collective", check_collective), ("features", check_features),
+                        ("checkpoint", check_checkpoint)):
+        try:
+            report[name] = check(device)
+        except Exception:  # every part reports, whatever another did
+            report[name] = {"ok": False, "error": traceback.format_exc(limit=4)}
+    report["ok"] = all(report[k]["ok"] for k in ("collective", "features", "checkpoint"))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(report, indent=2, default=str))
+    print(json.dumps({k: (v["ok"] if isinstance(v, dict) else v) for k, v in report.items()}))
+    return 0 if report["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
