@@ -99,6 +99,7 @@ class TrainConfig:
     storage_path: Optional[str] = None
     tensorboard: bool = False
     heldout_every: int = 0           # held-out tau every N steps during training (0: only after training)
+    compile: bool = True             # CUDA: torch.compile the drafter's layers (flex attention fuses in them)
 
 
 @dataclass

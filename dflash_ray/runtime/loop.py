@@ -100,6 +100,8 @@ def train_loop_per_worker(config: dict) -> None:
     torch.manual_seed(run_spec.seed + rank)
     np.random.seed((run_spec.seed + rank) % 2**32)
     drafter = build_run_drafter(run_spec, device)
+    if device.type == "cuda" and run_spec.train.compile:
+        drafter.compile_layers()  # GPU only (not run here yet: benchmarks/gpu_check.sh times the same call)
     model = LossModule(drafter)
     if world_size > 1:
         # gradient_as_bucket_view: the gradients live in DDP's all-reduce buckets (no second copy of them)
