@@ -75,7 +75,7 @@ class RunCoordinator:
         self.target_restarts = 0
         self.workers: dict[int, dict] = {}
         self.last: dict = {}
-        self.evals: list[dict] = []
+        self.evals: list[dict] = read_jsonl(self.dir / EVALS)   # a resumed run's earlier ones count for best/
         self.evals_running = 0
         self.total_steps = 0
         self.feed: dict = {}

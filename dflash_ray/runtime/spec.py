@@ -143,8 +143,10 @@ def _train_demo_target(cfg, tok, target_path, log) -> None:
     """Train the synthesised target on the corpus until it answers confidently (once; cached)."""
     import json
 
-    from dflash_ray.model.generation import train_causal_lm
+    from dflash_ray.model.generation import TRAINED_MARKER, train_causal_lm
 
+    if (Path(target_path) / TRAINED_MARKER).exists():
+        return  # trained by an earlier run of this run directory
     with open(cfg.data.input) as f:
         sequences = [tok.apply_chat_template(json.loads(line)["conversations"], tokenize=True, return_dict=False)
                      for line in f if line.strip()]
