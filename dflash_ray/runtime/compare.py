@@ -30,18 +30,19 @@ def roughness(losses, window: int = 9) -> dict:
 
 
 def bucket_usage(ledger: list[dict], num_buckets: int) -> dict:
-    """From the ledger of epoch 0 (in training order): each quarter's share of each bucket (percent) and,
-    per bucket, the fraction of the epoch's batches trained when its last batch was."""
+    """From the ledger of epoch 0 (in training order): the bucket of each batch, each quarter's share of
+    each bucket (percent) and, per bucket, the fraction of the epoch's batches trained when its last
+    batch was."""
     buckets = [b for r in ledger if int(r["epoch"]) == 0 for b in r["buckets"] if b >= 0]
     n = len(buckets)
     if n == 0:
-        return {"quarter_shares_pct": [], "bucket_end_fraction": [None] * num_buckets}
+        return {"buckets_in_order": [], "quarter_shares_pct": [], "bucket_end_fraction": [None] * num_buckets}
     seq = np.asarray(buckets)
     quarters = [seq[int(q * n / 4):int((q + 1) * n / 4)] for q in range(4)]
     shares = [[round(100.0 * float((part == b).mean()), 1) if part.size else 0.0 for b in range(num_buckets)]
               for part in quarters]
     ends = [float((np.nonzero(seq == b)[0].max() + 1) / n) if (seq == b).any() else None for b in range(num_buckets)]
-    return {"quarter_shares_pct": shares, "bucket_end_fraction": ends}
+    return {"buckets_in_order": buckets, "quarter_shares_pct": shares, "bucket_end_fraction": ends}
 
 
 def compare_orders(cfg, overrides: list[str], *, log=print) -> dict:
@@ -77,8 +78,6 @@ def compare_orders(cfg, overrides: list[str], *, log=print) -> dict:
                 "losses": [m["loss"] for m in metrics],
                 **roughness([m["loss"] for m in metrics]),
                 **bucket_usage(read_jsonl(Path(spec.run_dir) / LEDGER), num_buckets),
-                "buckets_in_order": [b for r in read_jsonl(Path(spec.run_dir) / LEDGER) if int(r["epoch"]) == 0
-                                     for b in r["buckets"] if b >= 0],
                 "run_dir": spec.run_dir}
     out_dir.mkdir(parents=True, exist_ok=True)
     pngs = plot_comparison(rows, out_dir)
