@@ -5,12 +5,15 @@
 A scaled Qwen3-8B drafter (width 256 = 1/16, 2 layers, block 16) trains one step (forward + backward of
 the real loss) on a batch of each bucket of the seed run's boundaries scaled by 1/4 (128 .. 2048 tokens,
 a target budget of 4096 padded tokens: 32 rows of 128 down to 2 rows of 2048), 90% of each row
-supervised. `num_anchors` 128 per row (512 / 4). Each measurement runs in a fresh process: the step's
-peak resident memory above the process's memory just before the step (ru_maxrss; Linux, KiB).
+supervised. `num_anchors` 128 per row (512 / 4). Each measurement runs in a fresh process: the whole
+step (drafter built, forward, backward, AdamW step), its peak resident memory above the process's memory
+after the imports (ru_maxrss; Linux, KiB), beside the memory model's estimate (runtime/memory.py, what
+`dflash-ray plan` prints).
 
-Goal: with `anchors_per_batch` (128 here = 2048 block tokens per batch) the largest bucket's step needs
-at most 1.5x the memory of the smallest's (`--check` exits 1 otherwise). Without it, a batch of many
-short rows carries many more blocks than a batch of two long ones.
+Goals (`--check` exits 1 when one fails): with `anchors_per_batch` (128 here = 2048 block tokens per
+batch) the largest bucket's step needs at most 1.5x the memory of the smallest's (without it, a batch of
+many short rows carries many more blocks than a batch of two long ones); the memory model's estimate is
+within 20% of every measured peak, with and without the budget.
 """
 from __future__ import annotations
 
@@ -25,38 +28,53 @@ TOKEN_BUDGET = 4096
 NUM_ANCHORS = 128
 ANCHORS_PER_BATCH = 128
 GOAL = 1.5
+MODEL_GOAL = 0.20   # the memory model's estimate within 20% of every measured peak
 
 
 def measure(length: int, anchors_per_batch: int | None) -> dict:
-    """One step in this process; returns its peak memory above the memory before it (MiB)."""
+    """One whole step in this process (drafter built, forward, backward, AdamW step); returns its peak
+    memory above the process's memory after the imports (MiB), and the memory model's estimate."""
     import resource
 
     import torch
     from transformers import Qwen3Config
 
-    from dflash_ray.model.drafter import DrafterConfig, build_drafter
+    from dflash_ray.model.drafter import DrafterConfig, anchor_quota, build_drafter
+    from dflash_ray.runtime.memory import Shape, drafter_step_memory
 
     torch.set_num_threads(2)
     hidden, vocab, block = 256, 4096, 16
-    target = Qwen3Config(hidden_size=hidden, intermediate_size=768, num_hidden_layers=8, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=64, vocab_size=vocab, max_position_embeddings=4096)
-    embed = torch.randn(vocab, hidden) * 0.02
+    fields = dict(hidden_size=hidden, intermediate_size=768, num_hidden_layers=8, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=64, vocab_size=vocab, max_position_embeddings=4096,
+                  tie_word_embeddings=True)
+    target = Qwen3Config(**fields)
+    rows = max(1, TOKEN_BUDGET // length)
+    before = _rss_kib()
+    g = torch.Generator().manual_seed(0)
+    embed = torch.randn(vocab, hidden, generator=g) * 0.02
     cfg = DrafterConfig(num_draft_layers=2, block_size=block, num_anchors=NUM_ANCHORS, mask_token_id=vocab - 1,
                         anchors_per_batch=anchors_per_batch)
     drafter = build_drafter(cfg, target, embed, embed, seed=0, attention_backend="sdpa")
-    rows = max(1, TOKEN_BUDGET // length)
-    g = torch.Generator().manual_seed(0)
+    opt = torch.optim.AdamW(drafter.trainable_parameters(), lr=1e-4)
     ids = torch.randint(0, vocab - 1, (rows, length), generator=g)
     mask = torch.ones(rows, length, dtype=torch.long)
     mask[:, : length // 10] = 0                                     # a prompt, then the answer
     lengths = torch.full((rows,), length)
     context = torch.randn(rows, length, hidden * len(drafter.target_layer_ids), generator=g)
-    before = _rss_kib()
     out = drafter.training_loss(ids, mask, context, lengths, torch.Generator().manual_seed(1))
     (out.loss_sum / out.weight_sum).backward()
+    opt.step()
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return {"length": length, "rows": rows, "blocks": int(out.num_blocks), "anchors_per_batch": anchors_per_batch,
-            "peak_mib": max(0, peak - before) / 1024}
+    # the anchors the step trained, by the step's own rule (a and a+1 supervised, a >= 1, a + 1 < length)
+    valid = [length - 1 - max(length // 10, 1)] * rows
+    quota = anchor_quota(valid, NUM_ANCHORS, anchors_per_batch)
+    anchors, queries = sum(quota), max(quota) * block
+    est = drafter_step_memory(Shape.of(fields), draft_layers=2, taps=len(drafter.target_layer_ids),
+                              block_tokens=anchors * block, context_tokens=rows * length, gpu=False, frozen_bytes=4,
+                              mask_pairs=rows * queries * (length + queries))
+    return {"length": length, "rows": rows, "blocks": anchors, "anchors_per_batch": anchors_per_batch,
+            "peak_mib": max(0, peak - before) / 1024, "model_mib": est["total"] / 2 ** 20,
+            "model_activation_mib": est["activations"] / 2 ** 20}
 
 
 def _rss_kib() -> int:
@@ -81,17 +99,23 @@ def main(argv=None) -> int:
                                  capture_output=True, text=True, check=True)
             results.setdefault(str(budget), []).append(json.loads(out.stdout.strip().splitlines()[-1]))
     ratios = {k: max(r["peak_mib"] for r in v) / max(min(r["peak_mib"] for r in v), 1e-9) for k, v in results.items()}
-    passed = ratios[str(ANCHORS_PER_BATCH)] <= GOAL
+    errors = [r["model_mib"] / r["peak_mib"] - 1 for v in results.values() for r in v]
+    flat = ratios[str(ANCHORS_PER_BATCH)] <= GOAL
+    model_ok = max(abs(e) for e in errors) <= MODEL_GOAL
+    passed = flat and model_ok
     if args.json:
-        print(json.dumps({"results": results, "max_over_min": ratios, "goal": GOAL, "pass": passed}, indent=2))
+        print(json.dumps({"results": results, "max_over_min": ratios, "goal": GOAL, "model_errors": errors,
+                          "model_goal": MODEL_GOAL, "pass": passed}, indent=2))
     else:
-        print(f"{'bucket (tokens)':>16} {'rows':>5} | {'blocks':>7} {'peak MiB':>9} (num_anchors only) | "
-              f"{'blocks':>7} {'peak MiB':>9} (anchors_per_batch={ANCHORS_PER_BATCH})")
+        print(f"{'bucket (tokens)':>16} {'rows':>5} | {'blocks':>7} {'peak MiB':>9} {'model':>7} (num_anchors only) | "
+              f"{'blocks':>7} {'peak MiB':>9} {'model':>7} (anchors_per_batch={ANCHORS_PER_BATCH})")
         for a, b in zip(results["None"], results[str(ANCHORS_PER_BATCH)]):
-            print(f"{a['length']:>16} {a['rows']:>5} | {a['blocks']:>7} {a['peak_mib']:>9.0f}                     | "
-                  f"{b['blocks']:>7} {b['peak_mib']:>9.0f}")
+            print(f"{a['length']:>16} {a['rows']:>5} | {a['blocks']:>7} {a['peak_mib']:>9.0f} {a['model_mib']:>7.0f}"
+                  f"                    | {b['blocks']:>7} {b['peak_mib']:>9.0f} {b['model_mib']:>7.0f}")
         print(f"max/min peak: {ratios['None']:.2f} without the budget, {ratios[str(ANCHORS_PER_BATCH)]:.2f} with it "
-              f"(goal <= {GOAL}: {'PASS' if passed else 'FAIL'})")
+              f"(goal <= {GOAL}: {'PASS' if flat else 'FAIL'})")
+        print(f"memory model (runtime/memory.py) vs measured: {min(errors):+.1%} .. {max(errors):+.1%} "
+              f"(goal within {MODEL_GOAL:.0%}: {'PASS' if model_ok else 'FAIL'})")
     return 1 if (args.check and not passed) else 0
 
 

@@ -39,7 +39,7 @@ def tiny_drafter(device):
     if device.type == "cuda":  # the target's frozen embedding/head in its dtype, as from a bf16 checkpoint
         embed = embed.to(torch.bfloat16)
     cfg = DrafterConfig(num_draft_layers=2, block_size=8, num_anchors=16, mask_token_id=vocab - 1, anchors_per_batch=24)
-    return build_drafter(cfg, target, embed, embed, seed=0).to(device)
+    return build_drafter(cfg, target, embed, embed, seed=0, device=device)  # initialised on the device
 
 
 def check_collective(device) -> dict:

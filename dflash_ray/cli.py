@@ -160,17 +160,40 @@ def plan_command(cfg, args) -> int:
     plan = plan_from_config(cfg)
     summary = plan.summary()
     capacity = capacity_report(cfg, summary)
+    memory = plan_memory(cfg, plan)
     if args.dump:
         write_table_atomic(plan.to_arrow().drop_columns(["num_tokens"]), args.dump)
     if args.json:
-        print(json.dumps({**summary, **{k: v for k, v in capacity.items() if k != "text"}}, indent=2))
+        print(json.dumps({**summary, **{k: v for k, v in capacity.items() if k != "text"},
+                          "memory": {k: v for k, v in memory.items() if k != "text"}}, indent=2))
     else:
         print(format_plan(summary))
-        for text in capacity["text"]:
+        for text in capacity["text"] + memory["text"]:
             print(text)
         if args.dump:
             print(f"plan written to {args.dump}")
     return 0
+
+
+def plan_memory(cfg, plan) -> dict:
+    """The memory model for the plan's batches, the configured drafter and the target's shape (from
+    model.target_path's config.json or model.target_config); only a line when the shape is unknown."""
+    from dflash_ray.data.plan import target_fields
+    from dflash_ray.model.target import default_target_layer_ids
+    from dflash_ray.runtime.memory import memory_report
+
+    target = target_fields(cfg)
+    if not target or "vocab_size" not in target.get("text_config", target):
+        return {"text": ["memory model: the target's shape is unknown (model.target_path is not a local "
+                         "directory with a config.json; a synthesised target is known once a run built it)"]}
+    text = target.get("text_config", target)
+    m, c = cfg.model, cfg.cluster
+    layer_ids = list(m.target_layer_ids or default_target_layer_ids(int(text["num_hidden_layers"]), int(m.num_draft_layers)))
+    dtype = str(target.get("dtype") or target.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype") or "float32")
+    return memory_report(plan, target, draft_layers=int(m.num_draft_layers), layer_ids=layer_ids, use_gpu=bool(c.use_gpu),
+                         stored_bytes=4 if "32" in dtype else 2, device_memory_gib=float(c.device_memory_gb),
+                         drafter_share=float(c.drafter_gpus), target_share=float(c.target_gpus),
+                         checkpoint_layers=bool(cfg.train.checkpoint_layers))
 
 
 def order_stats_command(args) -> int:

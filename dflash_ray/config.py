@@ -64,6 +64,7 @@ class DataConfig:
     overlong: str = "truncate"
     interleave: str = "default"
     chunk_batches: int = 64
+    attention_tokens: Optional[float] = None   # La of the target's cost per row (None: from the target's shape; 0: off)
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
 
 
@@ -80,6 +81,7 @@ class ClusterConfig:
     target_gpus: float = 1.0         # GPU share of each target actor (use_gpu; < 1 shares a GPU)
     drafter_gpus: float = 1.0        # GPU share of each drafter worker (use_gpu; < 1 shares a GPU)
     max_batches_in_flight: int = 4
+    device_memory_gb: float = 139.0  # GiB per GPU, as torch.cuda reports it (H200: ~139); the memory model's bound
     target_tokens_per_gpu: Optional[float] = None   # measured rates for the capacity model (plan)
     drafter_tokens_per_gpu: Optional[float] = None
 
@@ -93,13 +95,16 @@ class TrainConfig:
     warmup_ratio: float = 0.04
     grad_clip: float = 1.0
     grad_accum: int = 1
-    checkpoint_every: int = 50
+    checkpoint_every: Optional[int] = None          # optimizer steps (0/None: off)
+    checkpoint_every_minutes: Optional[float] = 30.0  # rank 0's clock since the last checkpoint (0/None: off)
+    checkpoint_upload: str = "async"               # async: Ray Train uploads while training goes on; sync: waits
     num_to_keep: int = 2
     max_failures: int = 3
     storage_path: Optional[str] = None
     tensorboard: bool = False
     heldout_every: int = 0           # held-out tau every N steps during training (0: only after training)
     compile: bool = True             # CUDA: torch.compile the drafter's layers (flex attention fuses in them)
+    checkpoint_layers: bool = False  # activation checkpointing of the drafter's layers: recompute in backward
 
 
 @dataclass
@@ -143,11 +148,13 @@ class RootConfig:
 
 
 CHOICES = {"data.overlong": ("truncate", "drop"),
-           "data.interleave": ("default", "stride", "sequential", "random", "diversity")}
-MINIMUM = {"model.anchors_per_batch": 1, "cluster.target_gpus": 0.01, "cluster.drafter_gpus": 0.01, "model.block_size": 2, "model.num_draft_layers": 1, "model.num_anchors": 1,
+           "data.interleave": ("default", "stride", "sequential", "random", "diversity"),
+           "train.checkpoint_upload": ("async", "sync")}
+MINIMUM = {"model.anchors_per_batch": 1, "cluster.target_gpus": 0.01, "cluster.device_memory_gb": 0.1, "cluster.drafter_gpus": 0.01, "model.block_size": 2, "model.num_draft_layers": 1, "model.num_anchors": 1,
            "data.shard_size": 1, "data.max_tokens_per_batch": 1, "data.chunk_batches": 1,
            "cluster.target_workers": 1, "cluster.drafter_workers": 1, "cluster.max_batches_in_flight": 1,
-           "train.epochs": 1, "train.grad_accum": 1, "train.checkpoint_every": 1, "train.num_to_keep": 1,
+           "train.epochs": 1, "train.grad_accum": 1, "train.checkpoint_every": 0,
+           "train.checkpoint_every_minutes": 0.0, "train.num_to_keep": 1,
            "train.max_failures": 0, "train.heldout_every": 0, "train.lr": 0.0, "train.warmup_ratio": 0.0, "eval.max_new_tokens": 1,
            "regenerate.max_new_tokens": 1, "regenerate.batch_size": 1, "data.synthetic.target_steps": 0,
            "data.synthetic.heldout_prompts": 0}
@@ -231,6 +238,10 @@ def _check_rules(cfg: DictConfig) -> None:
 
     PlanSpec.from_config(cfg)  # bucket boundaries ascending, the batch budget holds the longest bucket
     c, t = cfg.cluster, cfg.train
+    if not t.checkpoint_every and not t.checkpoint_every_minutes:
+        raise UserError("config key 'train.checkpoint_every_minutes': checkpoints are off (it and "
+                        "train.checkpoint_every are both 0/null): set one of them (a restart would retrain "
+                        "whole epochs)")
     per_step = int(c.drafter_workers) * int(t.grad_accum)
     if int(c.max_batches_in_flight) < per_step:
         raise UserError(f"config key 'cluster.max_batches_in_flight': {c.max_batches_in_flight} is less than "

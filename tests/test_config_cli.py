@@ -171,7 +171,8 @@ HAND_LENGTHS = {11: 64, 4: 60, 30: 50, 2: 40, 17: 33, 9: 20, 25: 17, 13: 16,   #
 #   bucket 1: 300 truncated to 128 -> 2 rows [128 120]; 100 -> [100 90]; 70 -> [70 66]
 #                                                                       tokens 574, padded 256 + 200 + 140
 HAND_BATCHES = {(0, (11, 4, 30, 2)), (0, (17, 9, 25, 13)), (1, (6, 19)), (1, (1, 14)), (1, (22, 8))}
-HAND_ARGS = ["data.bucket_boundaries=[64,128]", "data.max_tokens_per_batch=256", "model.block_size=8"]
+HAND_ARGS = ["data.bucket_boundaries=[64,128]", "data.max_tokens_per_batch=256", "model.block_size=8",
+             "data.attention_tokens=0"]  # the token budget alone (the attention term: test_data_budgets.py)
 
 
 def _hand_shards(root):
@@ -186,13 +187,25 @@ def test_plan_command_figures_match_a_plan_made_by_hand(tmp_path, capsys):
     assert run_command("plan", args + ["--dump", str(tmp_path / "plan.parquet")]) == 0
     out = capsys.readouterr().out
     lines = out.splitlines()
-    assert lines[0] == "epoch 0 plan (seed 0, strategy default): 5 batches, 874 tokens, budget 256 tokens/batch"
-    assert lines[1] == ("samples: 16 in, 14 planned, 1 truncated, 0 dropped (over the last boundary), "
-                        "2 dropped (too short)")
-    # bucket, range, samples, batches, tokens, share of batches, padding efficiency (300/388, 574/596)
-    assert lines[3].split() == ["0", "1-64", "8", "2", "300", "40.0%", "0.773"]
-    assert lines[4].split() == ["1", "65-128", "6", "3", "574", "60.0%", "0.963"]
-    assert lines[5] == "padding efficiency (real / padded batch tokens): 0.8882"  # 874 / 984
+    assert lines[0] == "epoch 0 plan (seed 0, strategy default): 5 batches, 874 tokens"
+    assert lines[1] == ("budgets per batch: target 256 padded tokens; drafter no anchors bound beyond "
+                        "num_anchors per row")
+    assert lines[2] == ("samples: 16 in, 14 planned, 1 truncated, 0 dropped (over the last boundary), "
+                        "2 dropped (too short), 0 dropped (fewer than 2 supervised tokens)")
+    # bucket, range, samples, batches, tokens, share of batches, padding efficiency (300/388, 574/596) |
+    # rows, target fill (padded / 256), target cost (padded / the mean batch's 984 / 5) |
+    # anchors (no supervised counts in these shards: every token; min(64, length - 1) per row), block
+    # tokens (x 8), drafter fill (no anchors_per_batch), density (anchors trained / valid anchors)
+    #   bucket 0: [63 59 49 39] = 210, [32 19 16 15] = 82 -> 146, all valid ones; padded 256, 132
+    #   bucket 1: valid [127 119], [99 89], [69 65] (568), each row capped at 64 -> 128 per batch,
+    #             density 384 / 568 = 0.676; padded 256, 200, 140
+    bar = lines[4].split("|")
+    assert bar[0].split() == ["0", "1-64", "8", "2", "300", "40.0%", "0.773"]
+    assert bar[1].split() == ["4.0", "0.758", "0.986"] and bar[2].split() == ["146", "1168", "-", "1.000"]
+    bar = lines[5].split("|")
+    assert bar[0].split() == ["1", "65-128", "6", "3", "574", "60.0%", "0.963"]
+    assert bar[1].split() == ["2.0", "0.776", "1.009"] and bar[2].split() == ["128", "1024", "-", "0.676"]
+    assert lines[6] == "padding efficiency (real / padded batch tokens): 0.8882"  # 874 / 984
     # 2 batches of bucket 0 and 3 of bucket 1 with no bucket twice in a row: only 1 0 1 0 1. Quarters of
     # 5 positions are [0,1) [1,2) [2,4) [4,5): [1] [0] [1 0] [1], the worst 60 pp off the 0.4/0.6 shares
     m = _measure_lines(out)
@@ -212,7 +225,8 @@ def test_plan_command_json_with_overlong_samples_dropped(tmp_path, capsys):
     args = _hand_shards(tmp_path) + ["data.overlong=drop", "--json", "--dump", str(tmp_path / "plan.parquet")]
     assert run_command("plan", args) == 0
     s = json.loads(capsys.readouterr().out)
-    assert s["samples"] == {"in": 16, "kept": 13, "truncated": 0, "dropped_overlong": 1, "dropped_too_short": 2}
+    assert s["samples"] == {"in": 16, "kept": 13, "truncated": 0, "dropped_overlong": 1, "dropped_too_short": 2,
+                            "dropped_unsupervised": 0}
     assert (s["batches"], s["tokens"], s["padded_tokens"]) == (5, 300 + 446, 388 + 240 + 180 + 66)
     assert [(r["samples"], r["batches"], r["tokens"]) for r in s["buckets"]] == [(8, 2, 300), (5, 3, 446)]
     assert s["padding_efficiency"] == pytest.approx(746 / 874)

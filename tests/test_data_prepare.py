@@ -9,7 +9,7 @@ from transformers import AutoTokenizer
 
 from dflash_ray.cli import run_command
 from dflash_ray.data.prepare import assistant_spans, prepare
-from dflash_ray.data.shards import SCHEMA, list_shards
+from dflash_ray.data.shards import PREPARED_SCHEMA, list_shards
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +28,7 @@ def test_loss_mask_covers_exactly_the_assistant_turns(tok_dir, tmp_path):
     s = prepare(str(src), str(tokdir), str(tmp_path / "out"), shard_size=2, progress=False)
     assert (s.samples, s.shards) == (3, 2)
     t = pq.read_table(list_shards(tmp_path / "out")[0])
-    assert t.schema.equals(SCHEMA)
+    assert t.schema.equals(PREPARED_SCHEMA)
     tok = AutoTokenizer.from_pretrained(str(tokdir))
     ids = np.array(t.column("input_ids")[0].as_py())
     mask = np.array(t.column("loss_mask")[0].as_py())
@@ -37,6 +37,10 @@ def test_loss_mask_covers_exactly_the_assistant_turns(tok_dir, tmp_path):
     # masked tokens decode to the two answers, each with its end-of-turn token; nothing else
     runs = np.split(np.flatnonzero(mask), np.flatnonzero(np.diff(np.flatnonzero(mask)) > 1) + 1)
     assert [tok.decode(ids[r]) for r in runs] == ["3 4 5 6<|im_end|>", "red blue red blue<|im_end|>"]
+    # the planner's drafter budget reads the supervised count: the two answers' tokens, counted here
+    # from the tokenizer alone
+    answers = sum(len(tok(a, add_special_tokens=False)["input_ids"]) + 1 for a in ("3 4 5 6", "red blue red blue"))
+    assert t.column("num_supervised")[0].as_py() == answers
     assert t.column("sample_id").to_pylist() == [0, 1]
 
 

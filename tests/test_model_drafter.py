@@ -6,7 +6,10 @@ the reference's logits, it must not see context position >= a, and the loss must
 x[a+k]. These are the three bugs that have shipped near-zero-acceptance drafters elsewhere.
 """
 import copy
+import json
 import math
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -15,7 +18,7 @@ from torch.nn import functional as F
 
 import dflash_ray.model.attention as attention
 from dflash.model import DFlashDraftModel
-from dflash_ray.model.drafter import DFlashDrafter, DrafterConfig, build_drafter
+from dflash_ray.model.drafter import DFlashDrafter, DrafterConfig, build_drafter, drafter_config
 from dflash_ray.model.export import export_drafter
 from dflash_ray.model.loss import (
     chunked_head_ce,
@@ -414,6 +417,64 @@ def test_build_drafter_answers_the_config_nulls_by_rule(setup):
     assert d.target_layer_ids == [0, 4] and d.loss_gamma == 2.5 and d.block_size == 4 and d.mask_token_id == 5
     with pytest.raises(TypeError, match="DrafterConfig"):
         build_drafter({"num_draft_layers": 2, "block_size": 4, "num_anchors": 4}, target.config, embed, head)
+
+
+def _built_the_former_way(cfg, target_config, embed, head, seed):
+    """build_drafter before it took a device: constructed on the CPU under a forked, seeded CPU RNG."""
+    config = drafter_config(target_config, cfg.num_draft_layers, cfg.block_size, cfg.mask_token_id)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return DFlashDrafter(config, embed, head, num_anchors=cfg.num_anchors)
+
+
+def test_build_drafter_on_the_cpu_device_keeps_the_seeded_weights(setup):
+    """device='cpu': the weights the former CPU build gave for the seed, equal for equal seeds, and the
+    global RNG untouched (every rank and the step-0 export rebuild the same drafter from the seed)."""
+    target = setup["target"]
+    embed, head = target.model.embed_tokens.weight, target.lm_head.weight
+    cfg = DrafterConfig(num_draft_layers=2, block_size=BLOCK, num_anchors=6, mask_token_id=MASK)
+    torch.manual_seed(123)
+    state = torch.get_rng_state()
+    a = build_drafter(cfg, target.config, embed, head, seed=11, device="cpu")
+    b = build_drafter(cfg, target.config, embed, head, seed=11, device=torch.device("cpu"))
+    assert torch.equal(torch.get_rng_state(), state)
+    other = build_drafter(cfg, target.config, embed, head, seed=12, device="cpu")
+    former = _built_the_former_way(cfg, target.config, embed, head, seed=11)
+    assert list(a.state_dict()) == list(former.state_dict())
+    for name, value in former.state_dict().items():
+        assert torch.equal(a.state_dict()[name], value), name
+        assert torch.equal(b.state_dict()[name], value), name
+    assert not torch.equal(other.fc.weight, a.fc.weight)
+    for x, y in zip(a.buffers(), former.buffers()):  # RoPE frequencies, the frozen embedding/head
+        assert torch.equal(x, y)
+    assert a.tied == setup["tied"] and a.embed_weight.data_ptr() == embed.data_ptr()  # not copied on the CPU
+
+
+def test_build_drafter_allocates_on_the_device_not_first_on_the_cpu():
+    """A ~200M-parameter drafter (Qwen3-8B width, one layer) built on the 'meta' device: every parameter and
+    buffer there, the tied embedding/head moved as one tensor, and the process's peak RSS barely moves
+    (built on the CPU and then moved it would grow by its 0.8 GB of fp32 weights)."""
+    code = """
+import json, resource, torch
+from transformers import Qwen3Config
+from dflash_ray.model.drafter import DrafterConfig, build_drafter
+torch.set_num_threads(1)
+target = Qwen3Config(hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+                     num_key_value_heads=8, head_dim=128, vocab_size=1024)
+embed = torch.zeros(1024, 4096)
+cfg = DrafterConfig(num_draft_layers=1, block_size=16, num_anchors=8, target_layer_ids=(1, 9, 17, 25, 33))
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+d = build_drafter(cfg, target, embed, embed, seed=0, device="meta")
+grown = (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024
+devices = {t.device.type for t in list(d.parameters()) + list(d.buffers())}
+print(json.dumps(dict(grown_mb=grown, params=sum(p.numel() for p in d.parameters()), devices=sorted(devices),
+                      tied=d.tied, own_head=hasattr(d, "lm_head_weight"))))
+"""
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout)
+    assert out["params"] > 2e8 and out["devices"] == ["meta"] and out["tied"] and not out["own_head"]
+    assert out["grown_mb"] < 200, f"peak RSS grew {out['grown_mb']} MB"
 
 
 def test_bf16_autocast_step_runs_and_agrees(setup):

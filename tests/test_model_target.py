@@ -5,6 +5,7 @@ import json
 import pytest
 import torch
 
+import dflash_ray.model.target as target_module
 from dflash.model import build_target_layer_ids, extract_context_feature
 from dflash_ray.model.target import (
     TargetFeatureExtractor,
@@ -75,15 +76,71 @@ def test_extractor_skips_later_layers_and_the_head(target_dirs):
         TargetFeatureExtractor(target, [1, 6])
 
 
+@pytest.fixture(params=["device_map", "host"])
+def load_path(request, monkeypatch):
+    """Both ways a target loads: straight onto the device (device_map, needs accelerate), and the fallback
+    when accelerate is missing (CPU, then moved). Yields the device_map each from_pretrained call got."""
+    from transformers import AutoModel, AutoModelForCausalLM
+
+    calls = []
+    for cls in (AutoModel, AutoModelForCausalLM):
+        real = cls.from_pretrained.__func__
+
+        def spy(klass, *args, _real=real, **kwargs):
+            calls.append(kwargs.get("device_map"))
+            return _real(klass, *args, **kwargs)
+
+        monkeypatch.setattr(cls, "from_pretrained", classmethod(spy))
+    if request.param == "host":
+        monkeypatch.setattr(target_module, "can_load_on_device", lambda: False)
+        monkeypatch.setattr(target_module, "_warned_host_load", False)
+    else:
+        assert target_module.can_load_on_device()  # accelerate is a dependency
+    yield request.param, calls
+
+
 @pytest.mark.parametrize("layer_ids", [[1, 3], [1, 5]])
-def test_feature_extractor_loads_only_the_layers_it_runs(target_dirs, layer_ids):
-    full = load_target(target_dirs["untied"])
-    pruned = load_feature_extractor(target_dirs["untied"], layer_ids)
+def test_feature_extractor_loads_only_the_layers_it_runs(target_dirs, layer_ids, load_path):
+    with torch.no_grad():  # the oracle: the full model's hidden states, loaded the plain HF way
+        from transformers import Qwen3ForCausalLM
+
+        full = Qwen3ForCausalLM.from_pretrained(target_dirs["untied"]).eval()
+    path, calls = load_path
+    pruned = load_feature_extractor(target_dirs["untied"], layer_ids, device="cpu")
+    assert calls == ([{"": torch.device("cpu")}] if path == "device_map" else [None])
     ids = torch.randint(0, VOCAB, (2, 17), generator=torch.Generator().manual_seed(1))
-    torch.testing.assert_close(pruned(ids), TargetFeatureExtractor(full, layer_ids)(ids), rtol=0, atol=1e-6)
+    with torch.no_grad():
+        ref = extract_context_feature(full(ids, output_hidden_states=True).hidden_states, layer_ids)
+    torch.testing.assert_close(pruned(ids), ref, rtol=0, atol=1e-5)
     assert len(pruned.decoder.layers) == max(layer_ids) + 1  # later layers never loaded
-    assert isinstance(pruned.target.lm_head, torch.nn.Identity)  # the untied head is gone
-    assert sum(p.numel() for p in pruned.parameters()) < sum(p.numel() for p in full.parameters())
+    assert not hasattr(pruned.target, "lm_head")  # the decoder alone: the untied head is never built
+    names = {n for n, _ in pruned.target.named_parameters()}
+    assert not any(n.startswith("lm_head") or f"layers.{max(layer_ids) + 1}." in n for n in names)
+    assert {p.device.type for p in pruned.parameters()} == {"cpu"} and not pruned.target.training
+    assert not any(p.requires_grad for p in pruned.parameters())
+
+
+def test_load_target_on_either_path_gives_the_same_frozen_model(target_dirs, load_path):
+    from transformers import Qwen3ForCausalLM
+
+    path, calls = load_path
+    model = load_target(target_dirs["untied"], device="cpu")
+    assert calls == ([{"": torch.device("cpu")}] if path == "device_map" else [None])
+    plain = Qwen3ForCausalLM.from_pretrained(target_dirs["untied"])
+    assert list(model.state_dict()) == list(plain.state_dict())
+    for name, value in plain.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name
+    assert not model.training and not any(p.requires_grad for p in model.parameters())
+
+
+def test_without_accelerate_the_host_load_is_said_once(target_dirs, monkeypatch, caplog):
+    monkeypatch.setattr(target_module, "can_load_on_device", lambda: False)
+    monkeypatch.setattr(target_module, "_warned_host_load", False)
+    with caplog.at_level("WARNING", logger=target_module.__name__):
+        load_feature_extractor(target_dirs["tied"], [1, 3])
+        load_target(target_dirs["tied"])
+    lines = [r for r in caplog.records if r.name == target_module.__name__]
+    assert len(lines) == 1 and "accelerate" in lines[0].getMessage()
 
 
 @pytest.mark.parametrize("kind", ["tied", "untied"])

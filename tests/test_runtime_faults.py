@@ -86,6 +86,11 @@ def test_kills_then_resume_with_fewer_workers_match_uninterrupted(job_run, train
     assert s["failures_survived"] >= 2 and s["rolled_back_steps"] >= 1
     assert s["steps"] == 8 and s["ledger"]["ok"], s["ledger"]
     assert read_state(Path(s["checkpoint"]))["cursor"] == {"epoch": 1, "position": 2 * (8 - steps[0]), "step": 8}
+    # the default upload is async (Ray Train uploads while training goes on): the restart still resumed
+    # from a whole checkpoint, and the final weights below equal the uninterrupted job's
+    assert s["checkpoints"] and all(c["upload"] == "async" for c in s["checkpoints"] if "upload" in c)
+    assert s["checkpoints"][-1]["step"] == 8 and s["checkpoints"][-1]["upload_seconds"] > 0
+    assert s["checkpoint_cost"]["count"] == len(s["checkpoints"])
 
     # the same run name again, from the command line in a new process that starts its own local Ray, with
     # one drafter worker (W = 1 x 2): it resumes in epoch 1 where the step-8 checkpoint left it

@@ -56,6 +56,21 @@ def test_run_directory(job_run, tiny_plan_batches):
     assert [c["step"] for c in s["checkpoints"]] == due
     state = read_state(Path(s["checkpoint"]))
     assert state["cursor"] == {"epoch": 2, "position": 0, "step": sum(steps)} and state["world_size"] == 2
+    # what each checkpoint cost: its step's metrics line (write seconds, rank 0's bytes: every file of the
+    # checkpoint but rank 1's RNG), its upload's seconds on a later line, the totals in the summary
+    lines = {m["step"]: m for m in metrics if "checkpoint_bytes" in m}
+    assert sorted(lines) == due
+    assert all(m["checkpoint_write_seconds"] > 0 and m["checkpoint_upload"] == "async" for m in lines.values())
+    final = Path(s["checkpoint"])
+    assert lines[due[-1]]["checkpoint_bytes"] == sum(f.stat().st_size for f in final.iterdir()
+                                                     if f.name != "rng_rank1.pt")
+    uploads = [m["checkpoint_upload_step"] for m in metrics if "checkpoint_upload_step" in m]
+    assert uploads and set(uploads) <= set(due[:-1])        # the last one's upload ends after the last line
+    assert all(c["upload"] == "async" and c["upload_seconds"] > 0 and c["bytes"] == lines[c["step"]]["checkpoint_bytes"]
+               for c in s["checkpoints"])
+    cost = s["checkpoint_cost"]
+    assert cost["count"] == len(due) and cost["max_seconds"] == max(c["seconds"] for c in s["checkpoints"])
+    assert cost["total_bytes"] == sum(m["checkpoint_bytes"] for m in lines.values())
 
 
 def test_export_loads_in_reference_dflash(job_run):

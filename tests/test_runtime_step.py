@@ -164,3 +164,31 @@ def test_batch_seed_is_a_pure_function_of_the_batch():
     assert [int(x) for x in out.stdout.split()] == here
     assert len({batch_seed(0, e, p) for e in range(3) for p in range(50)}) == 150
     assert batch_seed(0, 1, 7) != batch_seed(1, 1, 7)
+
+
+@pytest.mark.parametrize("tied", [True, False])
+def test_run_drafter_is_the_seeded_drafter_on_its_device(tmp_path, tied):
+    """build_run_drafter: the target's embedding/head read from its files (tying kept), the run's drafter
+    config, the run's seed; equal to a drafter built by hand the former way (on the CPU, seeded)."""
+    from types import SimpleNamespace
+
+    from dflash_ray.model.drafter import DFlashDrafter, drafter_config
+    from dflash_ray.runtime.step import build_run_drafter
+
+    target_dir = build_synthetic_target({**TINY_QWEN3, "num_hidden_layers": 4, "tie_word_embeddings": tied},
+                                        VOCAB, str(tmp_path / "target"), seed=4)
+    target = load_target(target_dir)
+    cfg = DrafterConfig(num_draft_layers=1, block_size=BLOCK, num_anchors=8, mask_token_id=MASK)
+    spec = SimpleNamespace(target_path=target_dir, drafter=cfg, seed=17)
+    state = torch.get_rng_state()
+    drafter = build_run_drafter(spec, torch.device("cpu"))
+    assert torch.equal(torch.get_rng_state(), state)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(17)
+        by_hand = DFlashDrafter(drafter_config(target.config, 1, BLOCK, MASK), target.model.embed_tokens.weight,
+                                target.lm_head.weight, num_anchors=8)
+    assert drafter.tied == by_hand.tied == tied
+    for name, value in by_hand.state_dict().items():
+        assert torch.equal(drafter.state_dict()[name], value), name
+    assert torch.equal(drafter.head_weight, target.lm_head.weight)
+    assert all(p.device.type == "cpu" for p in drafter.parameters())

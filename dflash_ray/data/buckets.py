@@ -4,6 +4,12 @@ A bucket holds samples with num_tokens in (boundaries[b-1], boundaries[b]]. Insi
 dealt at random into chunks of about `chunk_batches` batches; each chunk is sorted by length (longest
 first) and cut greedily so that rows x longest row <= max_tokens_per_batch. Neighbours in a sorted chunk
 have nearly equal lengths, so little is padded; the random chunks make each epoch's batches different.
+
+The target's forward costs more per token for long rows (causal attention grows with the row): with
+`attention_tokens` = La (the row length at which a token's attention work equals its linear work), a row
+of L padded tokens costs L * (1 + L / La), and a batch takes the row count whose cost is nearest to a
+full batch of the shortest bucket's rows (never more than the token budget allows), so batches of every
+bucket keep the target actors about equally busy.
 """
 from __future__ import annotations
 
@@ -62,8 +68,21 @@ class Batches:
         return np.diff(self.offsets)
 
 
+def rows_per_batch(longest: np.ndarray, max_tokens: int, boundaries, attention_tokens: float | None) -> np.ndarray:
+    """Rows of a batch whose longest row has `longest` tokens: max_tokens // longest, or, with the
+    attention term, the count whose cost is nearest the budget's cost at the first boundary."""
+    longest = np.asarray(longest, dtype=np.int64)
+    cap = np.maximum(1, max_tokens // longest)
+    if not attention_tokens:
+        return cap
+    la = float(attention_tokens)
+    budget = max_tokens * (1.0 + boundaries[0] / la)
+    balanced = np.floor(budget / (longest * (1.0 + longest / la)) + 0.5).astype(np.int64)
+    return np.clip(balanced, 1, cap)
+
+
 def form_batches(length: np.ndarray, bucket: np.ndarray, boundaries, max_tokens: int,
-                 chunk_batches: int, rng: np.random.Generator) -> Batches:
+                 chunk_batches: int, rng: np.random.Generator, attention_tokens: float | None = None) -> Batches:
     bounds = np.asarray(boundaries, dtype=np.int64)
     k = bounds.size
     dropped = bucket < 0
@@ -96,12 +115,12 @@ def form_batches(length: np.ndarray, bucket: np.ndarray, boundaries, max_tokens:
         seg_key = b[order] * (int(nchunks.max()) + 1) + chunk[order]
     seg_start = np.flatnonzero(np.concatenate([[True], seg_key[1:] != seg_key[:-1]]))
     seg_end = np.append(seg_start[1:], n)
-    # greedy cut, all segments at once: a batch starting at i takes budget // len[i] rows (its longest)
+    # greedy cut, all segments at once: a batch starting at i takes rows_per_batch(len[i]) rows (its longest)
     starts = []
     cur, end = seg_start, seg_end
     while cur.size:
         starts.append(cur)
-        nxt = np.minimum(cur + np.maximum(1, max_tokens // sorted_len[cur]), end)
+        nxt = np.minimum(cur + rows_per_batch(sorted_len[cur], max_tokens, bounds, attention_tokens), end)
         live = nxt < end
         cur, end = nxt[live], end[live]
     start = np.sort(np.concatenate(starts)) if starts else np.zeros(0, dtype=np.int64)

@@ -3,6 +3,13 @@
 plan = buckets -> token-budget batches -> interleaved global order. Anything that needs the order (the
 Ray Data stream, a resume, the `plan` command) calls `build_plan` with the same inputs and gets the same
 plan, on any machine, before or after a restart. No torch here.
+
+A batch has two budgets. The target's: rows x longest row <= max_tokens_per_batch (weighted by the
+attention term, buckets.rows_per_batch), enforced here by the cut. The drafter's: anchors_per_batch
+blocks of block_size tokens, enforced at the step (drafter.anchor_quota spreads them over the rows in
+proportion to their valid anchors). The plan knows each sample's supervised tokens (shards from
+`prepare`), so it reports how full both budgets are per bucket and drops samples that cannot hold an
+anchor (fewer than two supervised tokens), counted.
 """
 from __future__ import annotations
 
@@ -24,6 +31,10 @@ class PlanSpec:
     chunk_batches: int = 64
     min_tokens: int = 0           # 2 * block_size: shorter samples cannot hold two blocks
     strategy: str = "default"
+    attention_tokens: float | None = None   # La of buckets.rows_per_batch; None: token budget only
+    block_size: int = 16                    # the drafter's side of a batch (reported; the step enforces it)
+    num_anchors: int | None = None          # anchors per row at most
+    anchors_per_batch: int | None = None    # anchors per batch at most (None: num_anchors per row only)
 
     def validate(self) -> None:
         b = list(self.boundaries)
@@ -35,6 +46,9 @@ class PlanSpec:
                 f"bucket boundary {b[-1]}, so the longest samples fit in no batch")
         if self.chunk_batches < 1:
             raise UserError("config key 'data.chunk_batches': must be >= 1")
+        if self.attention_tokens is not None and self.attention_tokens < 0:
+            raise UserError(f"config key 'data.attention_tokens': must be >= 0 (0: no attention term), "
+                            f"got {self.attention_tokens}")
 
     @classmethod
     def from_config(cls, cfg) -> "PlanSpec":
@@ -45,9 +59,58 @@ class PlanSpec:
             chunk_batches=int(cfg.data.chunk_batches),
             min_tokens=2 * int(cfg.model.block_size),
             strategy=str(cfg.data.interleave),
+            attention_tokens=_attention_tokens(cfg),
+            block_size=int(cfg.model.block_size),
+            num_anchors=int(cfg.model.num_anchors),
+            anchors_per_batch=None if cfg.model.anchors_per_batch is None else int(cfg.model.anchors_per_batch),
         )
         plan_spec.validate()
         return plan_spec
+
+
+def attention_tokens_of(target: dict) -> float | None:
+    """La for a decoder of this shape, by FLOP count: a token's linear work per layer is 2 x the layer's
+    projection parameters; its causal attention over a row of L tokens averages 2 x L x heads x head_dim;
+    the two are equal at L = La = projection parameters / (heads x head_dim). Qwen3-8B: ~47K tokens (an
+    8K row costs ~17% more per token than a short one); the tiny demo target: 576."""
+    t = target.get("text_config", target) if "hidden_size" not in target else target
+    try:
+        h, heads, inter = int(t["hidden_size"]), int(t["num_attention_heads"]), int(t["intermediate_size"])
+    except (KeyError, TypeError, ValueError):
+        return None
+    kv = int(t.get("num_key_value_heads") or heads)
+    hd = int(t.get("head_dim") or h // heads)
+    projections = 2 * h * heads * hd + 2 * h * kv * hd + 3 * h * inter
+    return projections / (heads * hd)
+
+
+def target_fields(cfg) -> dict | None:
+    """The target's config.json fields: <model.target_path>/config.json when it is a local directory;
+    with no target_path, the one the job synthesised (<run.dir>/target), else model.target_config (what
+    it will be built from; no vocab_size until the tokenizer gives one). None when nothing is known."""
+    import json
+    from pathlib import Path
+
+    from omegaconf import OmegaConf
+
+    path = OmegaConf.select(cfg, "model.target_path", default=None, throw_on_missing=False)
+    if path is None:
+        path = Path(str(OmegaConf.select(cfg, "run.dir", default="."))) / "target"
+    if (Path(str(path)) / "config.json").is_file():
+        return json.loads((Path(str(path)) / "config.json").read_text())
+    fields = OmegaConf.select(cfg, "model.target_config", default=None)
+    return OmegaConf.to_container(fields) if fields else None
+
+
+def _attention_tokens(cfg) -> float | None:
+    """data.attention_tokens when set (0 turns the term off), else from the target's shape."""
+    from omegaconf import OmegaConf
+
+    value = OmegaConf.select(cfg, "data.attention_tokens", default=None)
+    if value is not None:
+        return float(value) or None
+    fields = target_fields(cfg)
+    return attention_tokens_of(fields) if fields else None
 
 
 @dataclass
@@ -61,6 +124,7 @@ class Plan:
     sample_ids: np.ndarray   # int64 [M]
     lengths: np.ndarray      # int64 [M], after truncation
     max_len: np.ndarray      # int64 [N], padded row length of each batch
+    anchors: np.ndarray      # int64 [M], valid anchors of each planned sample (at most)
     counts: dict = field(default_factory=dict)  # samples in / kept / truncated / dropped
 
     @property
@@ -78,6 +142,24 @@ class Plan:
     def padded_tokens(self) -> np.ndarray:
         return np.diff(self.offsets) * self.max_len
 
+    def target_cost(self) -> np.ndarray:
+        """Each batch's target work in padded-token units, with the attention term when the spec has one."""
+        la = self.plan_spec.attention_tokens
+        padded = self.padded_tokens().astype(np.float64)
+        return padded * (1.0 + self.max_len / la) if la else padded
+
+    def drafter_anchors(self) -> tuple[np.ndarray, np.ndarray]:
+        """(anchors the drafter trains, valid anchors) per batch: each row contributes min(num_anchors,
+        its valid anchors), the batch at most anchors_per_batch (the step's anchor_quota)."""
+        valid = self.anchors
+        per_row = valid if self.plan_spec.num_anchors is None else np.minimum(valid, self.plan_spec.num_anchors)
+        csum = np.concatenate([[0], np.cumsum(per_row)])
+        wanted = csum[self.offsets[1:]] - csum[self.offsets[:-1]]
+        vsum = np.concatenate([[0], np.cumsum(valid)])
+        total = vsum[self.offsets[1:]] - vsum[self.offsets[:-1]]
+        cap = self.plan_spec.anchors_per_batch
+        return (wanted if cap is None else np.minimum(wanted, cap)), total
+
     def to_arrow(self, start: int = 0) -> pa.Table:
         """Plan rows from position `start` on: position, bucket, sample_ids, num_tokens (real tokens)."""
         off = self.offsets[start:] - self.offsets[start]
@@ -90,24 +172,49 @@ class Plan:
         })
 
     def summary(self) -> dict:
-        k = len(self.plan_spec.boundaries)
+        ps = self.plan_spec
+        k = len(ps.boundaries)
         sizes = np.diff(self.offsets)
         tokens = self.batch_tokens()
         padded = self.padded_tokens()
-        lower = [0] + list(self.plan_spec.boundaries[:-1])
+        cost = self.target_cost()
+        trained, valid = self.drafter_anchors()
+        lower = [0] + list(ps.boundaries[:-1])
         rows = []
         n = max(self.num_batches, 1)
+        mean_cost = float(cost.mean()) if cost.size else 0.0
+
+        def mean(x, sel):
+            return float(x[sel].mean()) if sel.any() else None
+
         for b in range(k):
             sel = self.bucket == b
             rows.append({
                 "bucket": b,
-                "range": f"{lower[b] + 1}-{self.plan_spec.boundaries[b]}",
+                "range": f"{lower[b] + 1}-{ps.boundaries[b]}",
                 "samples": int(sizes[sel].sum()),
                 "batches": int(sel.sum()),
                 "tokens": int(tokens[sel].sum()),
                 "share": float(sel.sum() / n),
                 "padding_efficiency": float(tokens[sel].sum() / padded[sel].sum()) if sel.any() else None,
+                "rows_per_batch": mean(sizes, sel),
+                # the target's budget: padded tokens per batch over max_tokens_per_batch, and the batch's
+                # work (attention term included) relative to the epoch's mean batch
+                "target_fill": mean(padded / ps.max_tokens_per_batch, sel),
+                "target_cost": (mean(cost, sel) / mean_cost) if sel.any() and mean_cost else None,
+                # the drafter's budget: anchors trained per batch (x block_size = block tokens), their
+                # share of anchors_per_batch, and of the batch's valid anchors (anchor density)
+                "anchors_per_batch": mean(trained.astype(np.float64), sel),
+                "block_tokens_per_batch": mean(trained.astype(np.float64) * ps.block_size, sel),
+                "drafter_fill": mean(trained / ps.anchors_per_batch, sel) if ps.anchors_per_batch else None,
+                "anchor_density": float(trained[sel].sum() / max(valid[sel].sum(), 1)) if sel.any() else None,
             })
+        used = [r for r in rows if r["batches"]]
+
+        def spread(key):
+            vals = [r[key] for r in used if r[key]]
+            return max(vals) / min(vals) if vals else None
+
         return {
             "epoch": self.epoch,
             "seed": self.seed,
@@ -117,28 +224,42 @@ class Plan:
             "tokens": int(tokens.sum()),
             "padded_tokens": int(padded.sum()),
             "padding_efficiency": float(tokens.sum() / max(padded.sum(), 1)),
-            "max_tokens_per_batch": self.plan_spec.max_tokens_per_batch,
+            "max_tokens_per_batch": ps.max_tokens_per_batch,
+            "attention_tokens": ps.attention_tokens,
+            "anchors_per_batch": ps.anchors_per_batch,
+            "block_size": ps.block_size,
+            "target_cost_max_over_min": spread("target_cost"),
+            "drafter_block_tokens_max_over_min": spread("block_tokens_per_batch"),
             "buckets": rows,
             "order": order_measures(self.bucket, k),
         }
 
 
-def build_plan(sample_ids, num_tokens, plan_spec: PlanSpec, *, seed: int = 0, epoch: int = 0) -> Plan:
+def build_plan(sample_ids, num_tokens, plan_spec: PlanSpec, *, num_supervised=None, seed: int = 0,
+               epoch: int = 0) -> Plan:
+    """num_supervised: each sample's supervised tokens (None: every token counts as supervised)."""
     plan_spec.validate()
     sample_ids = np.asarray(sample_ids, dtype=np.int64)
     num_tokens = np.asarray(num_tokens, dtype=np.int64)
+    sup = num_tokens if num_supervised is None else np.asarray(num_supervised, dtype=np.int64)
     if sample_ids.size > 1 and not (np.diff(sample_ids) > 0).all():
         # the plan must not depend on shard file order: work in sample_id order
         o = np.argsort(sample_ids, kind="stable")
-        sample_ids, num_tokens = sample_ids[o], num_tokens[o]
+        sample_ids, num_tokens, sup = sample_ids[o], num_tokens[o], sup[o]
     bk = assign_buckets(num_tokens, plan_spec.boundaries, overlong=plan_spec.overlong, min_tokens=plan_spec.min_tokens)
+    # an anchor a needs supervised a and a+1: fewer than two supervised tokens train nothing
+    unsupervised = (sup < 2) & (bk.bucket >= 0)
+    bk.bucket[unsupervised] = -1
+    # valid anchors (at most): supervised tokens after truncation, less one
+    anchors = np.maximum(np.minimum(sup, bk.length) - 1, 0)
     rng = np.random.default_rng([int(seed), int(epoch), 1000])  # its own stream: interleave salts are 0..4
     batches = form_batches(bk.length, bk.bucket, plan_spec.boundaries, plan_spec.max_tokens_per_batch,
-                           plan_spec.chunk_batches, rng)
+                           plan_spec.chunk_batches, rng, attention_tokens=plan_spec.attention_tokens)
     if batches.bucket.size == 0:
         raise UserError(f"no samples left to plan: {sample_ids.size} in, {bk.dropped_short} shorter than "
                         f"{plan_spec.min_tokens} tokens (2 x block_size), {bk.dropped_overlong} over the last "
-                        f"bucket boundary {plan_spec.boundaries[-1]} (data.overlong=drop)")
+                        f"bucket boundary {plan_spec.boundaries[-1]} (data.overlong=drop), "
+                        f"{int(unsupervised.sum())} with fewer than 2 supervised tokens")
     counts_per_bucket = np.bincount(batches.bucket, minlength=len(plan_spec.boundaries))
     order = interleave_order(counts_per_bucket, strategy=plan_spec.strategy, seed=seed, epoch=epoch)
     # position k takes the next unused batch of bucket order[k]; `shuffled` is grouped by bucket, so a
@@ -154,7 +275,9 @@ def build_plan(sample_ids, num_tokens, plan_spec: PlanSpec, *, seed: int = 0, ep
         sample_ids=sample_ids[batches.members[gather]], lengths=batches.lengths[gather],
         max_len=batches.max_len[pick],
         counts={"in": int(sample_ids.size), "kept": int(offsets[-1]), "truncated": bk.truncated,
-                "dropped_overlong": bk.dropped_overlong, "dropped_too_short": bk.dropped_short},
+                "dropped_overlong": bk.dropped_overlong, "dropped_too_short": bk.dropped_short,
+                "dropped_unsupervised": int(unsupervised.sum())},
+        anchors=anchors[batches.members[gather]],
     )
 
 
@@ -163,6 +286,6 @@ def plan_from_config(cfg, epoch: int | None = None) -> Plan:
     from dflash_ray.data.shards import read_lengths
 
     plan_spec = PlanSpec.from_config(cfg)
-    sample_ids, num_tokens, _ = read_lengths(require(cfg, "data.shards"))
-    return build_plan(sample_ids, num_tokens, plan_spec, seed=int(cfg.seed),
-                      epoch=int(cfg.plan.epoch if epoch is None else epoch))
+    lengths = read_lengths(require(cfg, "data.shards"))
+    return build_plan(lengths.sample_ids, lengths.num_tokens, plan_spec, num_supervised=lengths.num_supervised,
+                      seed=int(cfg.seed), epoch=int(cfg.plan.epoch if epoch is None else epoch))

@@ -1,4 +1,4 @@
-"""conversations.jsonl -> parquet shards (sample_id, input_ids, loss_mask, num_tokens).
+"""conversations.jsonl -> parquet shards (sample_id, input_ids, loss_mask, num_tokens, num_supervised).
 
 The loss mask comes from the tokenizer's own chat template: an assistant turn's span is the text that
 rendering conversation[:i+1] adds to rendering conversation[:i] with the generation prompt (so the
@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dflash_ray.atomic import atomic_dir
-from dflash_ray.data.shards import SCHEMA
+from dflash_ray.data.shards import PREPARED_SCHEMA
 from dflash_ray.errors import UserError
 
 ROLES = ("system", "user", "assistant", "tool")
@@ -129,7 +129,7 @@ def prepare(input_path: str, tokenizer_path: str, output: str, *, shard_size: in
     if shard_size < 1:
         raise UserError("config key 'data.shard_size': must be >= 1")
     summary = PrepareSummary(output=str(output))
-    rows: dict[str, list] = {name: [] for name in SCHEMA.names}
+    rows: dict[str, list] = {name: [] for name in PREPARED_SCHEMA.names}
 
     def flush(dest: Path):
         if not rows["sample_id"]:
@@ -139,7 +139,8 @@ def prepare(input_path: str, tokenizer_path: str, output: str, *, shard_size: in
             "input_ids": pa.array(rows["input_ids"], type=pa.list_(pa.int32())),
             "loss_mask": pa.array(rows["loss_mask"], type=pa.list_(pa.int8())),
             "num_tokens": pa.array(rows["num_tokens"], type=pa.int32()),
-        }, schema=SCHEMA)
+            "num_supervised": pa.array(rows["num_supervised"], type=pa.int32()),
+        }, schema=PREPARED_SCHEMA)
         pq.write_table(table, dest / f"part-{summary.shards:05d}.parquet")
         summary.shards += 1
         for v in rows.values():
@@ -173,6 +174,7 @@ def prepare(input_path: str, tokenizer_path: str, output: str, *, shard_size: in
             rows["input_ids"].append(ids)
             rows["loss_mask"].append(mask)
             rows["num_tokens"].append(int(ids.size))
+            rows["num_supervised"].append(int(mask.sum()))
             summary.samples += 1
             summary.tokens += int(ids.size)
             summary.supervised_tokens += int(mask.sum())

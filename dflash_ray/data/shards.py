@@ -2,14 +2,16 @@
 file (and row) and what is wrong.
 
 Schema: sample_id int64 (unique over all shards), input_ids list<int32>, loss_mask list<int8>
-(1 on assistant tokens), num_tokens int32.
+(1 on assistant tokens), num_tokens int32; `prepare` also writes num_supervised int32 (the loss mask's
+sum), which the planner reads to size the drafter's side of each batch. Shards made elsewhere may lack it:
+the planner then counts every token as supervised.
 """
 from __future__ import annotations
 
 import os
 import uuid
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -24,6 +26,8 @@ SCHEMA = pa.schema([
     ("loss_mask", pa.list_(pa.int8())),
     ("num_tokens", pa.int32()),
 ])
+SUPERVISED = "num_supervised"
+PREPARED_SCHEMA = SCHEMA.append(pa.field(SUPERVISED, pa.int32()))  # what `prepare` writes
 _LIST_COLUMNS = ("input_ids", "loss_mask")
 
 
@@ -51,25 +55,27 @@ def _check_schema(path: Path, schema: pa.Schema, columns: Iterable[str]) -> None
         if name not in schema.names:
             raise UserError(f"{path}: missing column '{name}' (has: {', '.join(schema.names)})")
         got = schema.field(name).type
-        want = SCHEMA.field(name).type
+        want = PREPARED_SCHEMA.field(name).type
         ok = (pa.types.is_integer(got) if not pa.types.is_list(want)
               else (pa.types.is_list(got) or pa.types.is_large_list(got)) and pa.types.is_integer(got.value_type))
         if not ok:
             raise UserError(f"{path}: column '{name}' has type {got}, expected {want}")
 
 
-def _read(path: Path, columns: list[str]) -> pa.Table:
-    """Read `columns`; the whole schema is checked (metadata only), so a shard that would fail later in
-    training fails here."""
+def _read(path: Path, columns: list[str], optional: tuple[str, ...] = ()) -> pa.Table:
+    """Read `columns`, and those of `optional` the shard has; the whole schema is checked (metadata
+    only), so a shard that would fail later in training fails here."""
     pf = _open(path)
-    _check_schema(path, pf.schema_arrow, SCHEMA.names)
+    names = pf.schema_arrow.names
+    present = [c for c in optional if c in names]
+    _check_schema(path, pf.schema_arrow, SCHEMA.names + present)
     if pf.metadata.num_rows == 0:
         raise UserError(f"{path}: empty shard (0 rows)")
     try:
-        table = pf.read(columns=columns)
+        table = pf.read(columns=list(columns) + present)
     except Exception as e:
         raise UserError(f"{path}: unreadable data ({str(e).splitlines()[0]})") from e
-    for name in columns:
+    for name in table.column_names:
         col = table.column(name)
         if col.null_count:
             raise UserError(f"{path}: row {_first_row(col.is_null().to_numpy(zero_copy_only=False))}: null {name}")
@@ -80,22 +86,40 @@ def _first_row(mask) -> int:
     return int(np.flatnonzero(np.asarray(mask))[0])
 
 
-def read_lengths(directory) -> tuple[np.ndarray, np.ndarray, list[tuple[Path, int]]]:
-    """sample_id and num_tokens of every sample (only those two columns are read), checked for
-    duplicates and negative lengths. Also returns (file, rows) per shard."""
-    ids, lens, files = [], [], []
+class SampleLengths(NamedTuple):
+    sample_ids: np.ndarray       # int64
+    num_tokens: np.ndarray       # int64
+    num_supervised: np.ndarray   # int64; num_tokens where a shard has no num_supervised column
+    files: list                  # (path, rows) per shard
+    shards_without_supervised: int
+
+
+def read_lengths(directory) -> SampleLengths:
+    """sample_id, num_tokens and (where present) num_supervised of every sample: only those columns are
+    read, checked for duplicate ids and impossible counts."""
+    ids, lens, sups, files, missing = [], [], [], [], 0
     for path in list_shards(directory):
-        t = _read(path, ["sample_id", "num_tokens"])
+        t = _read(path, ["sample_id", "num_tokens"], optional=(SUPERVISED,))
+        has_sup = SUPERVISED in t.column_names
         sid = t.column("sample_id").to_numpy().astype(np.int64)
         nt = t.column("num_tokens").to_numpy().astype(np.int64)
         if (nt < 0).any():
             raise UserError(f"{path}: row {_first_row(nt < 0)}: negative num_tokens")
+        if has_sup:
+            ns = t.column(SUPERVISED).to_numpy().astype(np.int64)
+            bad = (ns < 0) | (ns > nt)
+            if bad.any():
+                r = _first_row(bad)
+                raise UserError(f"{path}: row {r}: {SUPERVISED} is {ns[r]}, outside 0..num_tokens ({nt[r]})")
+        else:
+            ns, missing = nt, missing + 1
         ids.append(sid)
         lens.append(nt)
+        sups.append(ns)
         files.append((path, t.num_rows))
     sample_ids = np.concatenate(ids)
     _check_unique(sample_ids, files)
-    return sample_ids, np.concatenate(lens), files
+    return SampleLengths(sample_ids, np.concatenate(lens), np.concatenate(sups), files, missing)
 
 
 def _check_unique(sample_ids: np.ndarray, files: list[tuple[Path, int]]) -> None:
@@ -137,6 +161,12 @@ def validate_tokens(path: Path, t: pa.Table, vocab_size: int | None) -> None:
     fm = pc.list_flatten(mask).to_numpy(zero_copy_only=False)
     if fm.size and ((fm != 0) & (fm != 1)).any():
         raise UserError(f"{path}: row {row_of[_first_row((fm != 0) & (fm != 1))]}: loss_mask values must be 0 or 1")
+    if SUPERVISED in t.column_names:
+        sums = np.bincount(row_of, weights=fm, minlength=t.num_rows).astype(np.int64)
+        ns = t.column(SUPERVISED).to_numpy(zero_copy_only=False).astype(np.int64)
+        if (sums != ns).any():
+            r = _first_row(sums != ns)
+            raise UserError(f"{path}: row {r}: {SUPERVISED} is {ns[r]} but loss_mask has {sums[r]} ones")
 
 
 def iter_validated(directory, vocab_size: int | None = None):
@@ -144,7 +174,7 @@ def iter_validated(directory, vocab_size: int | None = None):
     when the last shard has been read)."""
     ids, files = [], []
     for path in list_shards(directory):
-        t = _read(path, list(SCHEMA.names))
+        t = _read(path, list(SCHEMA.names), optional=(SUPERVISED,))
         validate_tokens(path, t, vocab_size)
         ids.append(t.column("sample_id").to_numpy())
         files.append((path, t.num_rows))

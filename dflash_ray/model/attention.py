@@ -12,6 +12,8 @@ rule is written; both kernels call it, and the tests check it from the outside.
 
 Kernels: FlexAttention with a block mask (sparse, what runs on the GPU, compiled there), and SDPA with a
 dense boolean mask (small CPU shapes). Eager FlexAttention also runs on the CPU; a test checks the two agree.
+The BlockMask's tiles are derived from the anchors (`block_tiles`), not by evaluating the rule densely;
+tests/test_model_attention.py checks them against `dense_mask` tile by tile.
 """
 from __future__ import annotations
 
@@ -40,16 +42,80 @@ def dense_mask(anchors: torch.Tensor, ctx_len: int, block_size: int) -> torch.Te
     return torch.stack(rows)[:, None]
 
 
-def flex_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int):
-    from torch.nn.attention.flex_attention import create_block_mask
+FLEX_TILE = 128  # flex's default sparse block: a BlockMask describes [128 queries x 128 keys] tiles
+
+
+def _tile_bounds(count: int, length: int, tile: int, device):
+    """Start and end (exclusive, clipped to `length`) of each of `count` tiles, int64 [count]."""
+    start = torch.arange(count, device=device) * tile
+    return start, (start + tile).clamp(max=length)
+
+
+def block_tiles(anchors: torch.Tensor, ctx_len: int, block_size: int, tile: int = FLEX_TILE):
+    """Which [tile x tile] tiles of the training mask hold a visible pair (`partial`: flex applies
+    `block_visible` inside them) and which hold only visible pairs (`full`: flex skips the mask_mod),
+    as boolean [B, q_tiles, kv_tiles], derived from the anchors alone: never a [queries x keys] tensor.
+
+    `block_visible` in tile terms, for query tile i (its rows belong to drafter blocks n_lo..n_hi):
+      context  kv < min(ctx_len, a_n): some row sees key tile j when its start is below the largest
+               anchor, every row sees all of it when its end is at most the smallest anchor
+      own      kv in [S + n*B, S + (n+1)*B): the query tile's own blocks span [S + n_lo*B, S + (n_hi+1)*B);
+               all rows see all of a key tile only when one drafter block holds the whole query tile
+    A tile that runs past the sequence end is never full (as create_block_mask pads it with False)."""
+    batch_size, n = anchors.shape
+    device = anchors.device
+    q_len, kv_len = n * block_size, ctx_len + n * block_size
+    q_tiles, kv_tiles = -(-q_len // tile), -(-kv_len // tile)
+    q0, q1 = _tile_bounds(q_tiles, q_len, tile, device)
+    k0, k1 = _tile_bounds(kv_tiles, kv_len, tile, device)
+    k0, k1 = k0[None, None, :], k1[None, None, :]                      # [1, 1, kv_tiles]
+
+    # Anchor of every query row, rows past q_len clamped onto the last row (same tile, same block):
+    # O(B x queries), as the block tokens' own activations.
+    rows = torch.arange(q_tiles * tile, device=device).clamp(max=q_len - 1)
+    per_row = anchors.gather(1, (rows // block_size).expand(batch_size, -1)).view(batch_size, q_tiles, tile)
+    a_min = per_row.amin(-1)[:, :, None]                                # [B, q_tiles, 1]
+    a_max = per_row.amax(-1)[:, :, None]
+    n_lo, n_hi = q0 // block_size, (q1 - 1) // block_size
+    own_lo = (ctx_len + n_lo * block_size)[None, :, None]              # [1, q_tiles, 1]
+    own_hi = (ctx_len + (n_hi + 1) * block_size)[None, :, None]
+    one_block = (n_lo == n_hi)[None, :, None]
+
+    context_any = (k0 < ctx_len) & (k0 < a_max)
+    own_any = (k1 > own_lo) & (k0 < own_hi)
+    context_all = (k0 >= ctx_len) | (k1.clamp(max=ctx_len) <= a_min)
+    own_all = (k1 <= ctx_len) | (one_block & (k0.clamp(min=ctx_len) >= own_lo) & (k1 <= own_hi))
+    whole_tile = ((q1 - q0) == tile)[None, :, None] & ((k1 - k0) == tile)
+    full = whole_tile & context_all & own_all
+    partial = (context_any | own_any) & ~full
+    return partial, full
+
+
+def _ordered(tiles: torch.Tensor):
+    """[B, q_tiles, kv_tiles] booleans -> BlockMask's (num_blocks [B, 1, q_tiles], indices [B, 1, q_tiles,
+    kv_tiles]) int32: each row's listed key tiles first, ascending."""
+    num = tiles.sum(-1, dtype=torch.int32)
+    order = torch.argsort(tiles.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+    return num[:, None].contiguous(), order[:, None].contiguous()
+
+
+def flex_block_mask(anchors: torch.Tensor, ctx_len: int, block_size: int, tile: int = FLEX_TILE):
+    """The BlockMask of `block_visible`, built from tile indices (`block_tiles`): memory
+    O(B x q_tiles x kv_tiles), where torch's create_block_mask evaluates the mask_mod densely
+    (B x queries x keys booleans, ~2 GB a step for short-row batches at Qwen3-8B's shape)."""
+    from torch.nn.attention.flex_attention import BlockMask
 
     batch_size, n = anchors.shape
 
     def mask_mod(b, h, q_idx, kv_idx):
         return block_visible(q_idx, kv_idx, anchors[b], ctx_len, block_size)
 
+    partial, full = block_tiles(anchors, ctx_len, block_size, tile)
+    kv_num, kv_idx = _ordered(partial)
+    full_num, full_idx = _ordered(full)
     q_len = n * block_size
-    return create_block_mask(mask_mod, batch_size, None, q_len, ctx_len + q_len, device=anchors.device)
+    return BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=tile, mask_mod=mask_mod,
+                                    seq_lengths=(q_len, ctx_len + q_len))
 
 
 @functools.cache

@@ -10,6 +10,7 @@ Training runs up to `num_anchors` blocks per sample in one pass (mask rule in at
 """
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 
 import torch
@@ -301,11 +302,43 @@ class DFlashDrafter(nn.Module):
         return self.norm(x)
 
 
+@contextlib.contextmanager
+def _seeded_rng(seed: int, device: torch.device):
+    """Fork the generators that initialising on `device` draws from (the CPU's, and that one CUDA
+    device's), seed them with `seed`, restore them on exit: the global RNG state is left as it was.
+    (torch.manual_seed would also reseed every CUDA device, outside what fork_rng restores.)"""
+    if device.type == "cuda":  # this branch has not run here (CPU-only machine)
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        with torch.random.fork_rng(devices=[index], device_type="cuda"):
+            torch.default_generator.manual_seed(seed)
+            with torch.cuda.device(index):
+                torch.cuda.manual_seed(seed)
+            yield
+    else:
+        with torch.random.fork_rng(devices=[]):
+            torch.default_generator.manual_seed(seed)
+            yield
+
+
+def _on_device(embed_weight: torch.Tensor, head_weight: torch.Tensor, device: torch.device):
+    """The frozen embedding/head moved to `device`, a tied pair still one tensor (the drafter stores it once)."""
+    tied = head_weight is embed_weight or (
+        head_weight.shape == embed_weight.shape and head_weight.data_ptr() == embed_weight.data_ptr())
+    embed = embed_weight.to(device)
+    return embed, embed if tied else head_weight.to(device)
+
+
 def build_drafter(cfg: DrafterConfig, target_hf_config, embed_weight, head_weight, seed: int | None = None,
-                  attention_backend: str = "auto") -> DFlashDrafter:
-    """A fresh drafter for a target. seed: initialise under this seed without touching the global RNG."""
+                  attention_backend: str = "auto", device: str | torch.device | None = None) -> DFlashDrafter:
+    """A fresh drafter for a target. seed: initialise under this seed without touching the global RNG.
+
+    device: where the parameters are created and initialised (the embedding/head are moved there too);
+    None = the CPU. Initialising on the GPU draws from that GPU's generator, so the same seed gives the
+    same weights on the same device type (every rank of a run), not CPU weights equal to CUDA ones."""
     if not isinstance(cfg, DrafterConfig):
         raise TypeError(f"build_drafter takes a DrafterConfig, got {type(cfg).__name__}")
+    device = torch.device("cpu" if device is None else device)
+    embed_weight, head_weight = _on_device(embed_weight, head_weight, device)
     mask_token_id = cfg.mask_token_id
     if mask_token_id is None:
         mask_token_id = default_mask_token_id(embed_weight.shape[0])
@@ -313,8 +346,10 @@ def build_drafter(cfg: DrafterConfig, target_hf_config, embed_weight, head_weigh
                             mask_token_id=mask_token_id, target_layer_ids=cfg.target_layer_ids)
     kwargs = dict(num_anchors=cfg.num_anchors, loss_gamma=cfg.loss_gamma, attention_backend=attention_backend,
                   anchors_per_batch=cfg.anchors_per_batch)
+    # torch.device as a context: every parameter (and the RoPE buffer) is allocated and initialised on
+    # `device`, never first on the CPU (one thread under Ray: slow for ~1B parameters) and then copied.
     if seed is None:
-        return DFlashDrafter(config, embed_weight, head_weight, **kwargs)
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
+        with device:
+            return DFlashDrafter(config, embed_weight, head_weight, **kwargs)
+    with _seeded_rng(seed, device), device:
         return DFlashDrafter(config, embed_weight, head_weight, **kwargs)

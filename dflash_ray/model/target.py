@@ -9,6 +9,7 @@ to the last tapped layer, never the LM head, and keeps no other layer's hidden s
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 
@@ -16,6 +17,8 @@ import torch
 from torch import nn
 
 from transformers.masking_utils import create_causal_mask
+
+logger = logging.getLogger(__name__)
 
 
 def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
@@ -60,25 +63,52 @@ def target_dtype(path: str) -> torch.dtype:
     return getattr(torch, str(name).replace("torch.", ""))
 
 
+def can_load_on_device() -> bool:
+    """Whether from_pretrained can read weights straight onto a device: its `device_map` needs the
+    accelerate package (a dependency here, but a GPU image may lack it)."""
+    from transformers.utils import is_accelerate_available
+
+    return is_accelerate_available()
+
+
+_warned_host_load = False
+
+
+def _from_pretrained(model_class, path: str, device: torch.device, **kwargs):
+    """model_class.from_pretrained(path, **kwargs) with its weights on `device`. With accelerate,
+    device_map={"": device} reads each tensor from the safetensors files onto the device (a Qwen3-8B
+    target never sits whole in host memory); without it, load on the CPU and move, saying so once."""
+    global _warned_host_load
+    if can_load_on_device():
+        return model_class.from_pretrained(path, device_map={"": device}, **kwargs)
+    if not _warned_host_load:
+        _warned_host_load = True
+        logger.warning("accelerate is not installed: target weights load into host memory, then move to %s "
+                       "(pip install accelerate to load them straight onto the device)", device)
+    return model_class.from_pretrained(path, **kwargs).to(device)
+
+
 def load_target(path: str, device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
-    """Load a HF causal LM, frozen and in eval mode. bf16 on CUDA, fp32 on the CPU unless `dtype` says otherwise."""
+    """Load a HF causal LM, frozen and in eval mode, onto `device` (directly: `_from_pretrained`).
+    bf16 on CUDA, fp32 on the CPU unless `dtype` says otherwise."""
     from transformers import AutoModelForCausalLM
 
     device = torch.device(device)
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
-    model.to(device).eval().requires_grad_(False)
+    model = _from_pretrained(AutoModelForCausalLM, path, device, dtype=dtype, attn_implementation="sdpa")
+    model.eval().requires_grad_(False)
     return model
 
 
 def load_feature_extractor(path: str, layer_ids: list[int], device: str | torch.device = "cpu",
                            dtype: torch.dtype | None = None) -> "TargetFeatureExtractor":
-    """A TargetFeatureExtractor over only what feature capture needs: the embedding and layers
-    0..max(layer_ids) are loaded (later layers' weights are never read into memory) and the LM head is
-    dropped. For target actors; at Qwen3-8B's shape with the default taps this skips 2 of 36 layers and
-    the 0.6B-parameter head (~1.5 GB of bf16 weights)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    """A TargetFeatureExtractor over only what feature capture needs: the decoder (AutoModel, the causal
+    LM without its head) with the embedding and layers 0..max(layer_ids). Later layers' weights and the
+    LM head are checkpoint keys the model does not have: from_pretrained never reads them, into host or
+    device memory. For target actors; at Qwen3-8B's shape with the default taps this skips 2 of 36 layers
+    and the 0.6B-parameter head (~1.5 GB of bf16 weights)."""
+    from transformers import AutoConfig, AutoModel
     from transformers.utils import logging as hf_logging
 
     device = torch.device(device)
@@ -93,14 +123,12 @@ def load_feature_extractor(path: str, layer_ids: list[int], device: str | torch.
         if getattr(text, "layer_types", None):
             text.layer_types = list(text.layer_types)[:keep]
     verbosity = hf_logging.get_verbosity()
-    hf_logging.set_verbosity_error()  # the skipped layers' weights are "unused" on purpose
+    hf_logging.set_verbosity_error()  # the skipped layers' and the head's weights are "unused" on purpose
     try:
-        model = AutoModelForCausalLM.from_pretrained(path, config=config, dtype=dtype, attn_implementation="sdpa")
+        model = _from_pretrained(AutoModel, path, device, config=config, dtype=dtype, attn_implementation="sdpa")
     finally:
         hf_logging.set_verbosity(verbosity)
-    if getattr(model, "lm_head", None) is not None:
-        model.lm_head = nn.Identity()  # never run; frees an untied head's memory
-    model.to(device).eval().requires_grad_(False)
+    model.eval().requires_grad_(False)
     return TargetFeatureExtractor(model, layer_ids, num_target_layers=total)
 
 

@@ -11,6 +11,13 @@ have reported (an interrupted upload is never registered, so never resumed from)
 
 `load_checkpoint` checks the manifest (names and sizes) before anything is restored.
 
+When: `checkpoint_due` (every `train.checkpoint_every` steps and/or every `train.checkpoint_every_minutes`
+of rank 0's clock, at each epoch's end, after the last step). How: the files are written synchronously
+(training waits for them), then handed to Ray Train; with `train.checkpoint_upload: async` (Ray Train v2's
+`CheckpointUploadMode.ASYNC`) their upload to the run's storage happens in a background thread of each
+worker while training goes on. Either way a checkpoint is registered (becomes the one a restart resumes
+from) only after every rank's upload has finished, and in report order: what a restart sees is whole.
+
 The feed of a restarted worker group must start where the checkpoint it will resume from ends. Ray
 Train hands that checkpoint to the workers; the dataset factory, which runs in Ray Train's controller
 before the workers start, reads the same fact from the controller's persisted record of registered
@@ -23,7 +30,9 @@ import contextlib
 import json
 import pickle
 import random
+import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import numpy as np
@@ -164,30 +173,102 @@ def cursor_metrics(cursor: Cursor) -> dict:
     return {"cursor_epoch": cursor.epoch, "cursor_position": cursor.position, "cursor_step": cursor.step}
 
 
-def checkpoint_due(step: int, every: int, *, last_step: bool, end_of_epoch: bool) -> bool:
-    """Checkpoint every `every` steps, at the end of every epoch (so a finished epoch is never retrained)
-    and after the last step of the run."""
-    return step % every == 0 or last_step or end_of_epoch
+def checkpoint_due(step: int, every_steps: int | None, every_minutes: float | None = None,
+                   since_last_s: float = 0.0, *, last_step: bool, end_of_epoch: bool) -> bool:
+    """Checkpoint every `every_steps` steps, once `every_minutes` have passed since the last checkpoint
+    (`since_last_s`: rank 0's clock, the same value on every rank), at the end of every epoch (so a
+    finished epoch is never retrained) and after the last step of the run. An interval of 0 or None is off.
+    Every rank must get the same answer: `ray.train.report` is a barrier."""
+    by_steps = bool(every_steps) and step % int(every_steps) == 0
+    by_time = bool(every_minutes) and since_last_s >= float(every_minutes) * 60.0
+    return by_steps or by_time or last_step or end_of_epoch
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+
+
+def _timed_upload(on_uploaded):
+    """A `checkpoint_upload_fn` doing what Ray Train does by default (`StorageContext.
+    persist_current_checkpoint`, ray/train/v2/_internal/execution/context.py `_upload_checkpoint`), timed:
+    `on_uploaded(seconds)` runs after the copy, before Ray Train hands the report on (so before the
+    checkpoint can be registered). None (Ray's own upload, untimed) where the storage context is not
+    reachable (`get_storage` is a DeveloperAPI)."""
+    import ray.train
+
+    try:
+        storage = ray.train.get_context().get_storage()
+        persist = storage.persist_current_checkpoint
+    except Exception:  # pragma: no cover - another Ray version
+        return None
+
+    def upload(checkpoint, checkpoint_dir_name):
+        t0 = time.perf_counter()
+        persisted = persist(checkpoint, checkpoint_dir_name)
+        on_uploaded(time.perf_counter() - t0)
+        return persisted
+
+    return upload
 
 
 def save_checkpoint(*, rank: int, world_size: int, drafter, optimizer, scheduler, cursor: Cursor, metrics: dict,
-                    before_register=None, extra: dict | None = None) -> None:
+                    before_register=None, on_uploaded=None, upload: str = "sync",
+                    extra: dict | None = None) -> dict:
     """Every rank calls this at the same step (`ray.train.report` is a barrier). Rank 0 writes the state,
-    the others their RNG; `before_register()` runs on rank 0 after its files are written and before
-    the checkpoint is handed to Ray Train (e.g. wait for the step's ledger lines)."""
+    the others their RNG; `before_register(cost)` runs on rank 0 after its files are written and before
+    the checkpoint is handed to Ray Train (e.g. wait for the step's ledger lines), with
+    cost = {"checkpoint_write_seconds", "checkpoint_bytes"} (rank 0's files). `on_uploaded(seconds)` runs
+    on rank 0 when its files are in the run's storage (inside `ray.train.report` with upload="sync", in
+    Ray Train's upload thread with "async"), before the checkpoint can be registered.
+
+    upload="async" (Ray Train 2.60, `CheckpointUploadMode.ASYNC`): `report` returns once every rank has
+    passed its barrier (the checkpoint directory name is agreed there); each rank's upload then runs in a
+    single background thread (uploads stay in report order), Ray deletes the local directory after it,
+    and the rank's report reaches the controller only after its upload, so the checkpoint is registered
+    only when every rank's files are in storage; a failed upload fails the worker (a restart resumes from
+    the previous checkpoint); the last upload is waited for when the train function returns. The ledger
+    lines written by `before_register` are on disk before `report` is even called, so before registration.
+
+    Returns rank 0's cost (write seconds, bytes); {} on other ranks."""
     import ray.train
     from ray.train import Checkpoint
 
-    with tempfile.TemporaryDirectory(prefix="dflash-ckpt-") as tmp:
-        tmp = Path(tmp)
+    cost: dict = {}
+    report_metrics = {**cursor_metrics(cursor), **metrics}
+
+    def write(tmp: Path) -> None:
         if rank == 0:
+            t0 = time.perf_counter()
             write_checkpoint(tmp, drafter=drafter, optimizer=optimizer, scheduler=scheduler, cursor=cursor,
                              world_size=world_size, extra=extra)
+            cost.update(checkpoint_write_seconds=time.perf_counter() - t0, checkpoint_bytes=dir_bytes(tmp))
             if before_register is not None:
-                before_register()
+                before_register(dict(cost))
         else:
             write_rank_files(tmp, rank)
-        ray.train.report({**cursor_metrics(cursor), **metrics}, checkpoint=Checkpoint.from_directory(str(tmp)))
+
+    upload_fn = _timed_upload(on_uploaded) if (rank == 0 and on_uploaded is not None) else None
+    if upload == "sync":
+        with tempfile.TemporaryDirectory(prefix="dflash-ckpt-") as tmp:
+            write(Path(tmp))
+            ray.train.report(report_metrics, checkpoint=Checkpoint.from_directory(tmp),
+                             checkpoint_upload_fn=upload_fn)
+        return cost
+    if upload != "async":
+        raise ValueError(f"checkpoint upload mode {upload!r}: expected 'sync' or 'async'")
+    from ray.train import CheckpointUploadMode
+
+    # not a TemporaryDirectory: Ray Train reads it after `report` returns and deletes it after the upload
+    tmp = tempfile.mkdtemp(prefix="dflash-ckpt-")
+    try:
+        write(Path(tmp))
+        ray.train.report(report_metrics, checkpoint=Checkpoint.from_directory(tmp),
+                         checkpoint_upload_mode=CheckpointUploadMode.ASYNC,
+                         delete_local_checkpoint_after_upload=True, checkpoint_upload_fn=upload_fn)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)   # no upload was started from it
+        raise
+    return cost
 
 
 def export_latest(run_spec, dtype: str = "target") -> tuple[str, str] | None:

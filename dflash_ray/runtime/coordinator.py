@@ -45,7 +45,9 @@ class _Metrics:
         self.step = g("dflash_step", "optimizer steps committed")
         self.epoch_progress = g("dflash_epoch_progress", "fraction of the current epoch trained")
         self.in_flight = g("dflash_batches_in_flight", "batches admitted to the pipeline and not yet trained")
-        self.ckpt_s = g("dflash_checkpoint_seconds", "seconds the last checkpoint took")
+        self.ckpt_s = g("dflash_checkpoint_seconds", "seconds training waited for the last checkpoint")
+        self.ckpt_upload_s = g("dflash_checkpoint_upload_seconds", "seconds rank 0's last checkpoint upload took")
+        self.ckpt_bytes = g("dflash_checkpoint_bytes", "bytes of rank 0's files in the last checkpoint")
         self.failures = g("dflash_failures_survived", "trainer group restarts + target actor restarts")
         self.idle = g("dflash_target_idle_fraction", "idle share of a target actor's lifetime", ("run", "actor"))
         self.bucket = Histogram("dflash_batch_bucket", description="length bucket of each trained batch",
@@ -72,6 +74,7 @@ class RunCoordinator:
         self.trainer_restarts = 0
         self.rolled_back_steps = 0
         self.targets: dict[str, dict] = {}
+        self.target_by_bucket: dict[int, list] = {}   # bucket -> [batches, busy seconds], all actors
         self.target_restarts = 0
         self.workers: dict[int, dict] = {}
         self.last: dict = {}
@@ -81,6 +84,7 @@ class RunCoordinator:
         self.feed: dict = {}
         self.step_times: list[tuple[float, int]] = []
         self.checkpoints: list[dict] = []
+        self.pending_metrics: dict = {}   # an upload's seconds, for the next metrics line
         self.started = time.time()
         self.timeline: dict[str, float] = {}   # first time each milestone happened (seconds since start)
         self.tb = None
@@ -143,7 +147,7 @@ class RunCoordinator:
             self._event("target_actor_restarted", actor=key, pid=pid)
         self._failures_gauge()
 
-    def target_batch(self, key: str, busy_s: float, tokens: int) -> None:
+    def target_batch(self, key: str, busy_s: float, tokens: int, bucket: int) -> None:
         t = self.targets.setdefault(key, {"pid": None, "node": None, "batches": 0, "busy_s": 0.0,
                                           "restarts": 0, "started": time.time(), "last": time.time()})
         self._mark("first_target_batch")
@@ -151,6 +155,10 @@ class RunCoordinator:
         t["tokens"] = t.get("tokens", 0) + int(tokens)
         t["busy_s"] += busy_s
         t["last"] = time.time()
+        if bucket >= 0:  # fillers (bucket -1) run no forward
+            b = self.target_by_bucket.setdefault(int(bucket), [0, 0.0])
+            b[0] += 1
+            b[1] += busy_s
         tags = {"run": self.run_name, "actor": key}
         self.metrics.target_batches.inc(1, tags=tags)
         self.metrics.target_busy.inc(max(busy_s, 0.0), tags=tags)
@@ -194,8 +202,9 @@ class RunCoordinator:
             tps = sum(t for _, t in self.step_times[1:]) / max(dt, 1e-9)
         else:
             tps = 0.0
-        metrics = {**metrics, "tokens_per_second": tps, "attempt": self.attempts, "time": now,
-                   "failures_survived": self.failures_survived()}
+        metrics = {**metrics, **self.pending_metrics, "tokens_per_second": tps, "attempt": self.attempts,
+                   "time": now, "failures_survived": self.failures_survived()}
+        self.pending_metrics = {}
         record = {**record, "attempt": self.attempts}
         with open(self.dir / LEDGER, "a") as f:
             f.write(json.dumps(record) + "\n")
@@ -251,9 +260,47 @@ class RunCoordinator:
         else:
             shutil.rmtree(out, ignore_errors=True)
 
-    def checkpoint_done(self, step: int, seconds: float) -> None:
-        self.checkpoints.append({"step": int(step), "seconds": float(seconds)})
+    def _checkpoint(self, attempt, step: int) -> dict:
+        """The record of one checkpoint (an attempt's step: a step can be checkpointed again after a
+        restart from an earlier one), made by whichever of its calls arrives first."""
+        for c in reversed(self.checkpoints):
+            if c["step"] == int(step) and c.get("attempt") == attempt:
+                return c
+        c = {"step": int(step), "attempt": attempt}
+        self.checkpoints.append(c)
+        return c
+
+    def checkpoint_done(self, step: int, seconds: float, *, attempt=None, upload: str | None = None,
+                        write_seconds: float | None = None, nbytes: int | None = None) -> None:
+        """Rank 0's `ray.train.report` of the checkpoint of `step` returned: training waited `seconds`
+        for it (the write, the ledger, the barrier, and the upload unless it is async)."""
+        c = self._checkpoint(attempt, step)
+        c.update(seconds=float(seconds), upload=upload, write_seconds=write_seconds, bytes=nbytes)
         self.metrics.ckpt_s.set(float(seconds), tags=self.metrics.run)
+        if nbytes is not None:
+            self.metrics.ckpt_bytes.set(float(nbytes), tags=self.metrics.run)
+
+    def checkpoint_uploaded(self, attempt, step: int, seconds: float) -> None:
+        """Rank 0's files of the checkpoint of `step` are in the run's storage after `seconds`. The
+        step's own metrics line is written before (it holds the write's cost): the upload's seconds go on
+        the next line, with the step they belong to."""
+        self._checkpoint(attempt, step)["upload_seconds"] = float(seconds)
+        self.pending_metrics = {"checkpoint_upload_seconds": float(seconds), "checkpoint_upload_step": int(step)}
+        self.metrics.ckpt_upload_s.set(float(seconds), tags=self.metrics.run)
+
+    def checkpoint_cost(self) -> dict:
+        """What this invocation's checkpoints cost: count, seconds training waited (total, max), write
+        and upload seconds, bytes."""
+        cs = self.checkpoints
+
+        def vals(key):
+            return [float(c[key]) for c in cs if c.get(key) is not None]
+
+        waited, write, up, nbytes = vals("seconds"), vals("write_seconds"), vals("upload_seconds"), vals("bytes")
+        return {"count": len(cs), "total_seconds": sum(waited), "max_seconds": max(waited, default=0.0),
+                "total_write_seconds": sum(write), "max_write_seconds": max(write, default=0.0),
+                "total_upload_seconds": sum(up), "max_upload_seconds": max(up, default=0.0),
+                "total_bytes": int(sum(nbytes)), "max_bytes": int(max(nbytes, default=0))}
 
     # ------------------------------------------------------------ reporting
     def failures_survived(self) -> int:
@@ -287,10 +334,17 @@ class RunCoordinator:
                           "tokens": t.get("tokens", 0),
                           "idle_fraction": max(0.0, 1 - t["busy_s"] / life), "restarts": t["restarts"],
                           "pid": t["pid"], "node": t["node"]}
-        return {"trainer_restarts": self.trainer_restarts, "target_restarts": self.target_restarts,
+        # the planner balances batches' target work across buckets: what the actors measured
+        by_bucket = [{"bucket": b, "batches": n, "mean_busy_ms": 1000 * s / n}
+                     for b, (n, s) in sorted(self.target_by_bucket.items()) if n]
+        means = [r["mean_busy_ms"] for r in by_bucket]
+        return {"target_busy_by_bucket": by_bucket,
+                "target_busy_max_over_min": max(means) / min(means) if means and min(means) > 0 else None,
+                "trainer_restarts": self.trainer_restarts, "target_restarts": self.target_restarts,
                 "failures_survived": self.failures_survived(), "rolled_back_steps": self.rolled_back_steps,
                 "attempts": self.attempts, "max_batches_in_flight": self.max_in_flight, "window": self.window,
-                "targets": targets, "checkpoints": self.checkpoints, "last": self.last,
+                "targets": targets, "checkpoints": self.checkpoints, "checkpoint_cost": self.checkpoint_cost(),
+                "last": self.last,
                 "timeline": self.timeline, "evals": self.evals}
 
     def close(self) -> None:

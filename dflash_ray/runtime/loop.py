@@ -66,6 +66,18 @@ def step_record(result: StepResult, step: int) -> dict:
             "tokens": result.batch_tokens}
 
 
+def rank0_value(value: float, device: torch.device, world_size: int) -> float:
+    """Rank 0's `value` on every rank (one float broadcast; on the model's device, as NCCL needs): a
+    decision taken from it is the same on every rank."""
+    if world_size <= 1:
+        return float(value)
+    import torch.distributed as dist
+
+    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    dist.broadcast(t, src=0)
+    return float(t.item())
+
+
 def train_loop_per_worker(config: dict) -> None:
     import ray
     import ray.train
@@ -119,8 +131,7 @@ def train_loop_per_worker(config: dict) -> None:
     if cursor != start:
         raise RuntimeError(f"the data stream starts at {start} but the checkpoint resumes at {cursor}: "
                            "the controller's checkpoint record and the checkpoint disagree")
-    if rank == 0:
-        ray.get(coord.begin_attempt.remote(cursor.step, world_size))
+    attempt = ray.get(coord.begin_attempt.remote(cursor.step, world_size))["attempt"] if rank == 0 else 0
 
     if device.type == "cuda":
         autocast = lambda: torch.autocast("cuda", dtype=torch.bfloat16)  # noqa: E731  (fp32 weights)
@@ -129,7 +140,9 @@ def train_loop_per_worker(config: dict) -> None:
     all_reduce = dist.all_reduce if world_size > 1 else None
     steps = total_steps - cursor.step
     pending_commits = []  # rank 0's ledger writes since the last checkpoint
-    t_step = time.perf_counter()
+    train = run_spec.train
+    upload = train.checkpoint_upload
+    t_step = t_checkpoint = time.perf_counter()  # rank 0's clock decides the time-based interval
     for s in range(steps):
         t_wait = time.perf_counter()
         rows = [next_row(stream, idx, gen, rank) for idx in rank_rows(s, per_step, world_size, rank)]
@@ -141,6 +154,7 @@ def train_loop_per_worker(config: dict) -> None:
         step = cursor.step + 1
         epoch_batches = rows[0].epoch_batches
         cursor = cursor_after(result.epoch, result.positions, epoch_batches, step)
+        commit = None
         if rank == 0:
             real = [p for p in result.positions if p >= 0]
             metrics = {"step": step, "epoch": result.epoch, "loss": result.loss, "tokens": result.tokens,
@@ -152,7 +166,7 @@ def train_loop_per_worker(config: dict) -> None:
                        "epoch_progress": (max(real) + 1) / epoch_batches if real else 1.0,
                        "total_steps": total_steps, "schedule_steps": feed["schedule_steps"],
                        "batches_per_step": per_step}
-            pending_commits.append(coord.commit_step.remote(gen, step_record(result, step), metrics))
+            commit = (step_record(result, step), metrics)
             coord.consumed_upto.remote(gen, (s + 1) * per_step)
             every = run_spec.train.heldout_every
             if run_spec.heldout and every and step % every == 0:
@@ -160,18 +174,39 @@ def train_loop_per_worker(config: dict) -> None:
                 weights = ray.put({k: v.detach().cpu() for k, v in drafter.state_dict().items()})
                 coord.evaluate_heldout.remote(run_spec, step, [weights])
         t_step = now
-        if checkpoint_due(step, run_spec.train.checkpoint_every, last_step=s == steps - 1,
-                          end_of_epoch=cursor.position == 0):
-            t0 = time.perf_counter()
+        # every rank decides from rank 0's clock (a broadcast; only when the time-based interval is on)
+        since = time.perf_counter() - t_checkpoint
+        if train.checkpoint_every_minutes:
+            since = rank0_value(since, device, world_size)
+        due = checkpoint_due(step, train.checkpoint_every, train.checkpoint_every_minutes, since,
+                             last_step=s == steps - 1, end_of_epoch=cursor.position == 0)
+        if not due:
+            if commit is not None:
+                pending_commits.append(coord.commit_step.remote(gen, *commit))
+            continue
+        t0 = time.perf_counter()
 
-            def ledger_on_disk():
-                # ledger lines <= this step are on disk before the checkpoint exists (an async actor
-                # does not promise to run calls in order: wait for each one)
-                ray.get(pending_commits)
-                pending_commits.clear()
+        def ledger_on_disk(cost: dict, commit=commit):
+            # the step's metrics line says what its checkpoint cost to write; ledger lines <= this step
+            # are on disk before the checkpoint exists (an async actor does not promise to run calls in
+            # order: wait for each one)
+            pending_commits.append(coord.commit_step.remote(gen, commit[0], {
+                **commit[1], **cost, "checkpoint_upload": upload}))
+            ray.get(pending_commits)
+            pending_commits.clear()
 
-            save_checkpoint(rank=rank, world_size=world_size, drafter=drafter, optimizer=opt, scheduler=sched,
-                            cursor=cursor, metrics={"step": step, "loss": result.loss},
-                            before_register=ledger_on_disk, extra={"run": run_spec.name})
-            if rank == 0:
-                coord.checkpoint_done.remote(step, time.perf_counter() - t0)
+        def uploaded(seconds: float, step=step):
+            # rank 0's files are in storage; waited for, so the coordinator has it before the checkpoint
+            # is registered (and before the run ends: the last async upload is flushed before that)
+            ray.get(coord.checkpoint_uploaded.remote(attempt, step, seconds))
+
+        cost = save_checkpoint(rank=rank, world_size=world_size, drafter=drafter, optimizer=opt, scheduler=sched,
+                               cursor=cursor, metrics={"step": step, "loss": result.loss},
+                               before_register=ledger_on_disk, on_uploaded=uploaded, upload=upload,
+                               extra={"run": run_spec.name})
+        t_checkpoint = time.perf_counter()
+        if rank == 0:
+            # seconds: what training waited (write, ledger, barrier, and the upload unless it is async)
+            coord.checkpoint_done.remote(step, t_checkpoint - t0, attempt=attempt, upload=upload,
+                                         write_seconds=cost.get("checkpoint_write_seconds"),
+                                         nbytes=cost.get("checkpoint_bytes"))

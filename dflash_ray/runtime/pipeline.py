@@ -144,7 +144,8 @@ class TargetForward:
             feats, dtype = np.zeros(batch["input_ids"].shape[1:] + (width,), np.float32), "float32"
         else:
             feats, dtype = target_context(self.extract, batch["input_ids"][0], batch["lengths"][0], self.device)
-        self.coord.target_batch.remote(self.key, time.perf_counter() - t0, int(batch["num_tokens"][0]))
+        self.coord.target_batch.remote(self.key, time.perf_counter() - t0, int(batch["num_tokens"][0]),
+                                       int(batch["bucket"][0]))
         batch["context"] = feats[None]
         batch["context_dtype"] = np.array([dtype])
         return batch

@@ -53,14 +53,14 @@ class RunSpec:
         return f"{self.storage_path.rstrip('/')}/{self.name}"
 
     def build_plan(self, epoch: int, lengths=None) -> Plan:
-        """The epoch plan: the same pure function `dflash-ray plan` uses. lengths: (sample_ids,
-        num_tokens) when already read, else read from the shards."""
+        """The epoch plan: the same pure function `dflash-ray plan` uses. lengths: the shards'
+        `read_lengths` when already read, else read here."""
         if lengths is None:
             from dflash_ray.data.shards import read_lengths
 
-            lengths = read_lengths(self.shards)[:2]
-        sample_ids, num_tokens = lengths
-        return build_plan(sample_ids, num_tokens, self.plan, seed=self.seed, epoch=int(epoch))
+            lengths = read_lengths(self.shards)
+        return build_plan(lengths.sample_ids, lengths.num_tokens, self.plan, num_supervised=lengths.num_supervised,
+                          seed=self.seed, epoch=int(epoch))
 
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)

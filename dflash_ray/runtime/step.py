@@ -60,17 +60,16 @@ class LossModule(nn.Module):
 
 def build_run_drafter(run_spec, device):
     """The run's drafter on `device`: the target's frozen embedding/head, the run's drafter config,
-    initialised under the run's seed (so every rank and every export starts from the same weights)."""
+    initialised under the run's seed, on `device` itself (so every rank starts from the same weights; a
+    drafter built on another device type, e.g. the CPU's for a CUDA run, has other initial weights)."""
     from transformers import AutoConfig
 
     from dflash_ray.model.drafter import build_drafter
     from dflash_ray.model.target import load_embed_and_head
 
     embed, head = load_embed_and_head(run_spec.target_path)
-    e = embed.to(device)
-    h = e if head is embed else head.to(device)
     target_config = AutoConfig.from_pretrained(run_spec.target_path)
-    return build_drafter(run_spec.drafter, target_config, e, h, seed=run_spec.seed).to(device)
+    return build_drafter(run_spec.drafter, target_config, embed, head, seed=run_spec.seed, device=device)
 
 
 def make_optimizer(train, drafter, schedule_steps: int):

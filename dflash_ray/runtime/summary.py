@@ -46,6 +46,9 @@ def build_summary(run_spec, plan_summary: dict, report: dict, *, started: float,
         "target_restarts": report["target_restarts"], "rolled_back_steps": report["rolled_back_steps"],
         "max_batches_in_flight": report["max_batches_in_flight"], "flight_window": report["window"],
         "target_actors": report["targets"], "checkpoints": report["checkpoints"],
+        "checkpoint_cost": report.get("checkpoint_cost"),
+        "target_busy_by_bucket": report["target_busy_by_bucket"],
+        "target_busy_max_over_min": report["target_busy_max_over_min"],
         "timeline_seconds": report.get("timeline", {}),
         "heldout_tau_during_training": [{"step": e["step"], "tau": e["tau"]} for e in report.get("evals", [])],
         "best": _best(run_spec, report.get("evals", [])),
@@ -83,5 +86,5 @@ def plan_sizes(run_spec, epochs) -> dict:
     """Planned batches of each epoch (the shards' lengths read once)."""
     from dflash_ray.data.shards import read_lengths
 
-    lengths = read_lengths(run_spec.shards)[:2]
+    lengths = read_lengths(run_spec.shards)
     return {e: run_spec.build_plan(e, lengths=lengths).num_batches for e in epochs}

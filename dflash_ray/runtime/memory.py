@@ -1,0 +1,186 @@
+"""The memory model: peak memory of a drafter training step and of a target actor, from shapes alone.
+
+No torch here: `dflash-ray plan` prints it before anything is loaded. The drafter's step holds
+
+    weights, gradients (fp32) and AdamW's two moments          16 bytes per trainable parameter
+    the target's frozen embedding and head                     vocab x hidden in the target's dtype
+    the batch's context features                               context tokens x taps x hidden
+    activations saved for backward, per block token per layer  4H + 6 q + 5 kv + 4I elements
+                  ... per context token per layer              5 kv elements (context K and V)
+    the loss's vocab-sized chunk                               ce_chunk_rows x vocab
+
+(q = heads x head_dim, kv = kv_heads x head_dim, I = intermediate size) — counted from the tensors the
+layer code keeps for backward (model/layers.py: two RMSNorms keep input and output, q/k norms and RoPE
+keep three copies, the K/V concatenations, attention output and its reshaped copy, the SwiGLU's four
+intermediate tensors). Backward allocates the gradient of the activations it walks through on top, so the
+activation term is multiplied by BACKWARD_FACTOR, measured by benchmarks/bench_step_memory.py at a scaled
+Qwen3-8B shape on the CPU (where every activation is fp32). The CPU's SDPA kernel also takes a dense
+mask, rows x queries x keys booleans, and makes a float copy of it (5 bytes per pair); the GPU's flex
+attention uses a block mask instead (no dense term). On a GPU under bf16 autocast the linear
+layers' outputs are bf16 and the norms fp32: ACT_BYTES_AUTOCAST is the mean element size of that mix.
+With activation checkpointing of the drafter layers, each layer keeps only its input, and one layer's
+activations exist at a time (recomputed in backward).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+GIB = 1024 ** 3
+BACKWARD_FACTOR = 1.45         # measured: 1.44-1.53 at the scaled shape (bench_step_memory.py, 6 buckets)
+ACT_BYTES_AUTOCAST = 3.0       # bf16 matmul outputs (2 bytes), fp32 norm internals (4 bytes): about half each
+
+
+@dataclass(frozen=True)
+class Shape:
+    hidden: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    layers: int
+    tied: bool
+
+    @classmethod
+    def of(cls, target: dict) -> "Shape":
+        t = target.get("text_config", target) if "hidden_size" not in target else target
+        h, heads = int(t["hidden_size"]), int(t["num_attention_heads"])
+        return cls(hidden=h, heads=heads, kv_heads=int(t.get("num_key_value_heads") or heads),
+                   head_dim=int(t.get("head_dim") or h // heads), intermediate=int(t["intermediate_size"]),
+                   vocab=int(t["vocab_size"]), layers=int(t["num_hidden_layers"]),
+                   tied=bool(target.get("tie_word_embeddings", t.get("tie_word_embeddings", False))))
+
+    @property
+    def q(self) -> int:
+        return self.heads * self.head_dim
+
+    @property
+    def kv(self) -> int:
+        return self.kv_heads * self.head_dim
+
+    def layer_params(self) -> int:
+        """A Qwen3 decoder layer's parameters (projections, q/k norms, two RMSNorms)."""
+        h = self.hidden
+        return 2 * h * self.q + 2 * h * self.kv + 3 * h * self.intermediate + 2 * self.head_dim + 2 * h
+
+
+def drafter_params(shape: Shape, draft_layers: int, taps: int) -> int:
+    """Trainable parameters: the layers, fc (taps x H -> H), hidden_norm and norm."""
+    return draft_layers * shape.layer_params() + taps * shape.hidden ** 2 + 2 * shape.hidden
+
+
+def drafter_step_memory(shape: Shape, *, draft_layers: int, taps: int, block_tokens: int, context_tokens: int,
+                        gpu: bool, frozen_bytes: int, checkpoint_layers: bool = False, mask_pairs: int = 0,
+                        ce_chunk_rows: int = 1024, optimizer: bool = True) -> dict:
+    """Bytes of each part of one drafter training step's peak, and their total."""
+    h = shape.hidden
+    act = ACT_BYTES_AUTOCAST if gpu else 4.0
+    feat = 2 if gpu else 4                          # features arrive bf16 on a GPU, fp32 on the CPU
+    per_block_layer = 4 * h + 6 * shape.q + 5 * shape.kv + 4 * shape.intermediate
+    per_ctx_layer = 5 * shape.kv
+    # outside the layers: block embedding, final norm (2H) and the loss's saved gradient rows (H);
+    # context: the masked copy of the features (taps x H, as they arrive), fc's output and its norm (2H)
+    block_once = 4 * h
+    ctx_once_elems = 2 * h
+    if checkpoint_layers:   # each layer keeps its input (block tokens x H); one layer recomputed at a time
+        layers_bytes = act * (block_tokens * (draft_layers * h + per_block_layer) + context_tokens * per_ctx_layer)
+    else:
+        layers_bytes = act * draft_layers * (block_tokens * per_block_layer + context_tokens * per_ctx_layer)
+    activations = BACKWARD_FACTOR * (layers_bytes + act * (block_tokens * block_once + context_tokens * ctx_once_elems)
+                                     + context_tokens * taps * h * feat)
+    params = drafter_params(shape, draft_layers, taps)
+    parts = {
+        "weights": 4 * params,
+        "gradients": 4 * params,
+        "optimizer": 8 * params if optimizer else 0,
+        "frozen_embed_head": shape.vocab * h * frozen_bytes * (1 if shape.tied else 2),
+        "context_features": context_tokens * taps * h * feat,
+        "activations": activations,
+        "loss_chunk": min(ce_chunk_rows, max(block_tokens, 1)) * shape.vocab * (4 + (2 if gpu else 0)),
+        "dense_mask": 0 if gpu else 5 * mask_pairs,
+    }
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def target_actor_memory(shape: Shape, *, last_tap: int, taps: int, tokens: int, weight_bytes: int) -> dict:
+    """Bytes of a target actor's forward: the weights it loads (embedding, layers 0..last tap; no head),
+    the features it returns (taps x H per token) and one layer's working set (no autograd): the hidden
+    state, q/k/v, the attention output and the SwiGLU's intermediates, per token."""
+    h = shape.hidden
+    weights = weight_bytes * (shape.vocab * h + (last_tap + 1) * shape.layer_params())
+    working = weight_bytes * tokens * (3 * h + shape.q + 2 * shape.kv + shape.q + 3 * shape.intermediate)
+    parts = {"weights": weights, "features": weight_bytes * tokens * taps * h, "working": working}
+    parts["total"] = sum(parts.values())
+    return parts
+
+
+def memory_report(plan, target: dict, *, draft_layers: int, layer_ids: list[int], use_gpu: bool,
+                  stored_bytes: int, device_memory_gib: float, drafter_share: float, target_share: float,
+                  checkpoint_layers: bool) -> dict:
+    """The drafter step's estimated peak for every batch of the plan (the worst one reported, and the
+    spread over buckets) and the target actor's for the longest batch, against the device's memory per
+    process (its share of the GPU). Text lines, figures, warnings. stored_bytes: the element size of the
+    target's checkpoint (the frozen embedding/head keep it; a GPU target actor loads bf16)."""
+    shape = Shape.of(target)
+    taps = len(layer_ids)
+    peaks = plan_drafter_peaks(plan, shape, draft_layers=draft_layers, taps=taps, gpu=use_gpu,
+                               frozen_bytes=stored_bytes if use_gpu else 4, checkpoint_layers=checkpoint_layers)
+    worst = int(np.argmax(peaks))
+    trained, _ = plan.drafter_anchors()
+    block = plan.plan_spec.block_size
+    rows = np.diff(plan.offsets)
+    queries = block * np.ceil(trained[worst] / rows[worst])
+    drafter = drafter_step_memory(
+        shape, draft_layers=draft_layers, taps=taps, block_tokens=int(trained[worst]) * block,
+        context_tokens=int(plan.padded_tokens()[worst]), gpu=use_gpu, frozen_bytes=stored_bytes if use_gpu else 4,
+        checkpoint_layers=checkpoint_layers, mask_pairs=int(rows[worst] * queries * (plan.max_len[worst] + queries)))
+    by_bucket = [float(peaks[plan.bucket == b].max()) for b in range(len(plan.plan_spec.boundaries))
+                 if (plan.bucket == b).any()]
+    target_mem = target_actor_memory(shape, last_tap=max(layer_ids), taps=taps,
+                                     tokens=int(plan.padded_tokens().max()), weight_bytes=2 if use_gpu else 4)
+    where = "GPU, bf16 autocast" if use_gpu else "CPU, fp32"
+    g = lambda b: f"{b / GIB:,.2f} GiB" if b >= GIB / 2 else f"{b / 2 ** 20:,.1f} MiB"  # noqa: E731
+    text = [f"memory model ({where}; runtime/memory.py): drafter step, worst batch (bucket {int(plan.bucket[worst])}: "
+            f"{int(trained[worst])} anchors x block {block}, {int(plan.padded_tokens()[worst]):,} context tokens) "
+            f"{g(drafter['total'])}",
+            f"  weights+grads+AdamW {g(drafter['weights'] + drafter['gradients'] + drafter['optimizer'])}, "
+            f"frozen embed/head {g(drafter['frozen_embed_head'])}, features {g(drafter['context_features'])}, "
+            f"activations {g(drafter['activations'])}{' (layers checkpointed)' if checkpoint_layers else ''}, "
+            f"loss chunk {g(drafter['loss_chunk'])}" + (f", dense mask {g(drafter['dense_mask'])}" if drafter["dense_mask"] else ""),
+            f"  worst batch of each bucket, max/min: {max(by_bucket) / min(by_bucket):.2f}",
+            f"  target actor {g(target_mem['total'])}: weights {g(target_mem['weights'])}, "
+            f"features {g(target_mem['features'])}, one layer's working set {g(target_mem['working'])}"]
+    warnings = []
+    if use_gpu:
+        for name, need, share, hint in (
+                ("drafter step", drafter["total"], drafter_share,
+                 "lower model.anchors_per_batch or data.max_tokens_per_batch, or set train.checkpoint_layers=true"),
+                ("target actor", target_mem["total"], target_share,
+                 "lower data.max_tokens_per_batch or give it more of a GPU (cluster.target_gpus)")):
+            have = device_memory_gib * share * GIB
+            text.append(f"  {name}: {need / have:.0%} of its {have / GIB:,.1f} GiB "
+                        f"(cluster.device_memory_gb {device_memory_gib:g} x share {share:g})")
+            if need > have:
+                warnings.append(f"WARNING: the {name} needs ~{g(need)}, more than its {have / GIB:,.1f} GiB: {hint}")
+    return {"drafter": drafter, "drafter_worst_batch": worst, "drafter_bucket_max_over_min": max(by_bucket) / min(by_bucket),
+            "target": target_mem, "text": text + warnings, "warnings": warnings}
+
+
+def plan_drafter_peaks(plan, shape: Shape, *, draft_layers: int, taps: int, gpu: bool, frozen_bytes: int,
+                       checkpoint_layers: bool) -> np.ndarray:
+    """The estimated drafter peak (bytes) of every batch of a plan: its trained anchors x block size,
+    its padded context tokens, and (CPU) its dense mask, rows x queries x keys with the anchors spread
+    evenly over the rows."""
+    trained, _ = plan.drafter_anchors()
+    rows = np.diff(plan.offsets)
+    block = plan.plan_spec.block_size
+    queries = block * np.ceil(trained / rows)
+    pairs = rows * queries * (plan.max_len + queries)
+    padded = plan.padded_tokens()
+    return np.array([drafter_step_memory(shape, draft_layers=draft_layers, taps=taps, block_tokens=int(t) * block,
+                                         context_tokens=int(c), gpu=gpu, frozen_bytes=frozen_bytes,
+                                         checkpoint_layers=checkpoint_layers, mask_pairs=int(m))["total"]
+                     for t, c, m in zip(trained, padded, pairs)])

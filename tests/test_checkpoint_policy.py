@@ -1,0 +1,257 @@
+"""When a checkpoint is taken (steps and/or minutes, epoch ends, the last step), that every rank takes the
+same decision, how the checkpoint is handed to Ray Train (sync or async upload), and what its cost shows
+as (metrics lines, the coordinator's record). The real-cluster checks (an async run resumes exactly, the
+metrics of a run) are in test_runtime_faults.py / test_runtime_jobs.py."""
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_ray.config import compose_config
+from dflash_ray.errors import UserError
+from dflash_ray.runtime.checkpoint import checkpoint_due
+from dflash_ray.runtime.feed import Cursor
+
+
+def due_steps(n, every_steps=None, every_minutes=None, since=lambda s: 0.0, last=None, epoch_ends=()):
+    return [s for s in range(1, n + 1)
+            if checkpoint_due(s, every_steps, every_minutes, since(s), last_step=s == last,
+                              end_of_epoch=s in epoch_ends)]
+
+
+# minutes: 1 -> due when since_last_s >= 60; the "clock" below is seconds since the last checkpoint at step s
+CLOCK = {1: 10.0, 2: 59.9, 3: 60.0, 4: 5.0, 5: 61.0, 6: 0.0, 7: 120.0, 8: 1.0}
+
+
+@pytest.mark.parametrize("kw, expected", [
+    (dict(every_steps=3), [3, 6]),                                          # steps only
+    (dict(every_steps=3, last=8, epoch_ends=(5,)), [3, 5, 6, 8]),          # + epoch end, last step
+    (dict(every_minutes=1.0), [3, 5, 7]),                                   # minutes only (>= 60 s)
+    (dict(every_steps=4, every_minutes=1.0), [3, 4, 5, 7, 8]),            # both: either one
+    (dict(every_steps=0, every_minutes=0.0, last=8, epoch_ends=(2,)), [2, 8]),   # both off
+    (dict(every_steps=None, every_minutes=None), []),                       # None is off too
+    (dict(every_steps=0, every_minutes=2.0, epoch_ends=(4,)), [4, 7]),      # 120 s >= 2 minutes
+])
+def test_checkpoint_due_table(kw, expected):
+    assert due_steps(8, since=CLOCK.get, **kw) == expected
+
+
+def test_checkpoint_due_old_call_is_steps_only():
+    # the tiny demo's rule (train.checkpoint_every: 100) without a clock argument: as before
+    assert [s for s in range(1, 15) if checkpoint_due(s, 4, last_step=s == 14, end_of_epoch=s in (6, 12))] \
+        == [4, 6, 8, 12, 14]
+
+
+def test_tiny_demo_keeps_its_step_interval_recipe_is_time_based():
+    tiny = compose_config([])
+    assert tiny.train.checkpoint_every == 100 and tiny.train.checkpoint_upload == "async"
+    recipe = compose_config(["model=qwen3_8b", "data=sharegpt"])
+    assert recipe.train.checkpoint_every is None and recipe.train.checkpoint_every_minutes == 30.0
+    assert compose_config(["train.checkpoint_every=null", "train.checkpoint_every_minutes=5"]).train \
+        .checkpoint_every_minutes == 5.0
+    assert compose_config(["train.checkpoint_every=7", "train.checkpoint_every_minutes=0"]).train \
+        .checkpoint_every == 7
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["train.checkpoint_every=0", "train.checkpoint_every_minutes=0"],
+     "config key 'train.checkpoint_every_minutes': checkpoints are off"),
+    (["train.checkpoint_every=null", "train.checkpoint_every_minutes=null"],
+     "config key 'train.checkpoint_every_minutes': checkpoints are off"),
+    (["train.checkpoint_every_minutes=-1"], "config key 'train.checkpoint_every_minutes': must be >= 0"),
+    (["train.checkpoint_every=-2"], "config key 'train.checkpoint_every': must be >= 0"),
+    (["train.checkpoint_upload=later"], "config key 'train.checkpoint_upload': 'later' is not one of async, sync"),
+])
+def test_checkpoint_keys_are_validated(overrides, message):
+    with pytest.raises(UserError, match=message.replace("(", r"\(")):
+        compose_config(overrides)
+
+
+def test_checkpoints_off_is_one_cli_line(capsys):
+    from dflash_ray.cli import main
+
+    assert main(["train", "--cfg", "job", "train.checkpoint_every=0", "train.checkpoint_every_minutes=0"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "train.checkpoint_every_minutes" in err and "train.checkpoint_every " in err
+
+
+# ----------------------------------------------------------------------------- every rank decides the same
+def _decide_on_two_ranks(rank, port, out, broadcast):
+    import torch.distributed as dist
+
+    from dflash_ray.runtime.loop import rank0_value
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        # each rank's own clock differs (rank 1's runs 3x fast): only rank 0's may decide
+        clock = [(s * 25.0) * (3 if rank else 1) for s in range(1, 13)]
+        last, due = 0.0, []
+        for step, now in enumerate(clock, start=1):
+            since = now - last
+            if broadcast:
+                since = rank0_value(since, torch.device("cpu"), 2)
+            if checkpoint_due(step, None, 1.0, since, last_step=False, end_of_epoch=False):
+                due.append(step)
+                last = now        # as the loop does: each rank restarts its own clock
+        Path(out, f"rank{rank}.json").write_text(json.dumps(due))
+    finally:
+        dist.destroy_process_group()
+
+
+def _two_ranks(tmp_path, broadcast):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    mp.spawn(_decide_on_two_ranks, args=(port, str(tmp_path), broadcast), nprocs=2, join=True)
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def test_time_based_decision_is_rank_zeros_on_every_rank(tmp_path):
+    r0, r1 = _two_ranks(tmp_path, broadcast=True)
+    # rank 0's clock: 25 s a step, due once >= 60 s since the last: steps 3, 6, 9, 12
+    assert r0 == r1 == [3, 6, 9, 12]
+
+
+def test_rank0_value_single_process_is_the_value():
+    from dflash_ray.runtime.loop import rank0_value
+
+    assert rank0_value(12.5, torch.device("cpu"), 1) == 12.5
+
+
+# ----------------------------------------------------------------------------- handing it to Ray Train
+def _model():
+    from dflash_ray.runtime.step import lr_lambda
+
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(10, 0.1))
+    return model, opt, sched
+
+
+@pytest.mark.parametrize("upload", ["sync", "async"])
+def test_save_checkpoint_hands_a_whole_directory_after_the_ledger(monkeypatch, upload):
+    """Rank 0: its files are written, then before_register (the ledger) runs, then report; with async the
+    directory is Ray's to upload and delete after report returns (a TemporaryDirectory would be gone)."""
+    import ray.train
+
+    from dflash_ray.runtime.checkpoint import save_checkpoint
+
+    events, seen = [], {}
+
+    def fake_report(metrics, checkpoint=None, **kw):
+        events.append("report")
+        seen.update(kw, metrics=metrics, path=checkpoint.path,
+                    files=sorted(os.listdir(checkpoint.path)))
+
+    monkeypatch.setattr(ray.train, "report", fake_report)
+    model, opt, sched = _model()
+
+    def before(cost):
+        events.append(("before_register", sorted(cost)))
+
+    cost = save_checkpoint(rank=0, world_size=1, drafter=model, optimizer=opt, scheduler=sched,
+                           cursor=Cursor(0, 4, 2), metrics={"step": 2, "loss": 1.0}, before_register=before,
+                           upload=upload)
+    try:
+        _check_handed_over(events, seen, cost, upload)
+    finally:
+        import shutil
+
+        shutil.rmtree(seen.get("path", "/nonexistent"), ignore_errors=True)   # async: Ray would delete it
+
+
+def _check_handed_over(events, seen, cost, upload):
+    import ray.train
+
+    from dflash_ray.runtime.checkpoint import read_state
+
+    assert events == [("before_register", ["checkpoint_bytes", "checkpoint_write_seconds"]), "report"]
+    assert seen["files"] == ["drafter.safetensors", "optim.pt", "rng_rank0.pt", "state.json"]
+    assert seen["metrics"] == {"cursor_epoch": 0, "cursor_position": 4, "cursor_step": 2, "step": 2, "loss": 1.0}
+    assert cost["checkpoint_write_seconds"] > 0
+    path = Path(seen["path"])
+    if upload == "sync":
+        assert "checkpoint_upload_mode" not in seen and not path.exists()      # ours, removed after report
+    else:
+        assert seen["checkpoint_upload_mode"] == ray.train.CheckpointUploadMode.ASYNC
+        assert seen["delete_local_checkpoint_after_upload"] is True
+        assert path.exists()                                                  # Ray's now: it uploads it
+        assert cost["checkpoint_bytes"] == sum(p.stat().st_size for p in path.iterdir())
+        assert read_state(path)["cursor"] == {"epoch": 0, "position": 4, "step": 2}
+
+
+def test_timed_upload_calls_rays_persist_then_reports_seconds(monkeypatch):
+    import ray.train
+
+    from dflash_ray.runtime.checkpoint import _timed_upload
+
+    calls = []
+
+    class Storage:
+        def persist_current_checkpoint(self, checkpoint, name):
+            calls.append(("persist", checkpoint, name))
+            return "persisted"
+
+    class Ctx:
+        def get_storage(self):
+            return Storage()
+
+    monkeypatch.setattr(ray.train, "get_context", lambda: Ctx())
+    fn = _timed_upload(lambda seconds: calls.append(("uploaded", seconds >= 0)))
+    assert fn("ckpt", "checkpoint_x") == "persisted"
+    assert calls == [("persist", "ckpt", "checkpoint_x"), ("uploaded", True)]
+
+
+# ----------------------------------------------------------------------------- the cost in the metrics
+def test_coordinator_records_checkpoint_cost(ray_session, tmp_path):
+    from dflash_ray.runtime.coordinator import RunCoordinator
+
+    c = RunCoordinator(str(tmp_path), "ckpt", 4, 3)
+    c.begin_attempt(0, 2)
+
+    def commit(step, **extra):
+        c.commit_step(c.gen, {"epoch": 0, "step": step, "positions": [step], "buckets": [0], "tokens": [1]},
+                      {"step": step, "epoch": 0, "loss": 1.0, "tokens": 1, **extra})
+
+    commit(1)
+    # sync: the upload is timed inside report, before report returns
+    commit(2, checkpoint_write_seconds=2.0, checkpoint_bytes=1000, checkpoint_upload="sync")
+    c.checkpoint_uploaded(1, 2, 3.0)
+    c.checkpoint_done(2, 5.5, attempt=1, upload="sync", write_seconds=2.0, nbytes=1000)
+    commit(3)
+    # async: report returns first, the upload ends later (after step 5's line)
+    commit(4, checkpoint_write_seconds=1.0, checkpoint_bytes=3000, checkpoint_upload="async")
+    c.checkpoint_done(4, 1.5, attempt=1, upload="async", write_seconds=1.0, nbytes=3000)
+    commit(5)
+    c.checkpoint_uploaded(1, 4, 7.0)
+    commit(6)
+    c.close()
+    lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [1, 2, 3, 4, 5, 6]
+    assert [m.get("checkpoint_bytes") for m in lines] == [None, 1000, None, 3000, None, None]
+    assert [m.get("checkpoint_upload_step") for m in lines] == [None, None, 2, None, None, 4]
+    assert [m.get("checkpoint_upload_seconds") for m in lines] == [None, None, 3.0, None, None, 7.0]
+    report = asyncio.run(c.report())
+    assert report["checkpoints"] == [
+        {"step": 2, "attempt": 1, "upload_seconds": 3.0, "seconds": 5.5, "upload": "sync", "write_seconds": 2.0,
+         "bytes": 1000},
+        {"step": 4, "attempt": 1, "seconds": 1.5, "upload": "async", "write_seconds": 1.0, "bytes": 3000,
+         "upload_seconds": 7.0}]
+    assert report["checkpoint_cost"] == {
+        "count": 2, "total_seconds": 7.0, "max_seconds": 5.5, "total_write_seconds": 3.0,
+        "max_write_seconds": 2.0, "total_upload_seconds": 10.0, "max_upload_seconds": 7.0,
+        "total_bytes": 4000, "max_bytes": 3000}
+    # a step checkpointed again in a later attempt is a record of its own
+    c.begin_attempt(0, 2)
+    c.checkpoint_done(2, 1.0, attempt=2, upload="async", write_seconds=0.5, nbytes=1000)
+    assert [(r["attempt"], r["step"]) for r in asyncio.run(c.report())["checkpoints"]] == [(1, 2), (1, 4), (2, 2)]
