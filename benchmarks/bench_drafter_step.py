@@ -40,6 +40,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from dflash_ray.model.drafter import DFlashDrafter, drafter_config  # noqa: E402
+from dflash_ray.runtime.memory import Shape, drafter_step_memory  # noqa: E402
 
 QWEN3_8B = dict(hidden=4096, layers=5, heads=32, kv_heads=8, head_dim=128, intermediate=12288,
                 vocab=151936, block=16, anchors=512, context=3072, target_layers=36, batch=1)
@@ -70,6 +71,7 @@ def parse_args():
     p.add_argument("--threads", type=int, default=1, help="CPU threads (1: steadier on a shared machine)")
     p.add_argument("--anchors-per-batch", type=int, default=None,
                    help="the per-batch anchor budget (model.anchors_per_batch; Qwen3-8B config: 512)")
+    p.add_argument("--checkpoint-layers", action="store_true", help="train.checkpoint_layers: recompute layers")
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     p.add_argument("--check", action="store_true", help="exit 1 when any goal fails")
     return p.parse_args()
@@ -135,6 +137,7 @@ def main():
     head = torch.randn(shape["vocab"], shape["hidden"], dtype=head_dtype, device=device) * 0.02
     drafter = DFlashDrafter(config, embed, head, num_anchors=shape["anchors"], attention_backend=args.backend,
                             ce_chunk_rows=args.ce_chunk_rows, anchors_per_batch=args.anchors_per_batch).to(device)
+    drafter.checkpoint_layers = args.checkpoint_layers
     compiled = cuda and not args.no_compile
     if compiled:
         drafter.compile_layers()
@@ -192,6 +195,13 @@ def main():
     peak = args.peak_tflops * 1e12 if args.peak_tflops else (989e12 if cuda else cpu_matmul_peak())
     parts = count_flops(shape, anchors, int(out.slot_count.sum()))
     n_anchor = anchors.shape[1]
+    # the memory model `dflash-ray plan` prints, for this step (on a GPU: against max_memory_allocated)
+    _, valid = drafter.sample_anchors(loss_mask, lengths, torch.Generator().manual_seed(0))
+    model = drafter_step_memory(Shape.of(target_cfg), draft_layers=shape["layers"], taps=n_tap,
+                                block_tokens=int(valid.sum()) * shape["block"], context_tokens=bsz * s, gpu=cuda,
+                                frozen_bytes=2 if cuda else 4, checkpoint_layers=args.checkpoint_layers,
+                                mask_pairs=bsz * n_anchor * shape["block"] * (s + n_anchor * shape["block"]))
+    model_gib = model["total"] / 2**30
 
     rows = [
         ("device", torch.cuda.get_device_name() if cuda else f"CPU ({torch.get_num_threads()} threads)"),
@@ -204,7 +214,7 @@ def main():
         ("step time (ms, median)", f"{elapsed * 1e3:.1f} over {steps} steps"),
         ("context tokens/s", f"{bsz * s / elapsed:,.0f}"),
         ("block tokens/s", f"{bsz * n_anchor * shape['block'] / elapsed:,.0f}"),
-        (mem_label + " (GiB)", f"{peak_mem:.2f}"),
+        (mem_label + " (GiB)", f"{peak_mem:.2f} (memory model, the step alone: {model_gib:.2f})"),
         ("counted TFLOP/step", f"{flops / 1e12:.3f} (linear {parts['linear'] / 1e12:.3f}, "
                                f"attention {parts['attention'] / 1e12:.3f}, head {parts['head'] / 1e12:.3f})"),
         ("achieved TFLOP/s", f"{flops / elapsed / 1e12:.3f}"),
@@ -241,6 +251,7 @@ def main():
             "device": rows[0][1], "shape": shape, "batch": bsz, "context": s, "anchors_per_row": n_anchor,
             "anchors_per_batch": args.anchors_per_batch, "blocks": int(out.num_blocks), "compiled": compiled,
             "step_ms_median": elapsed * 1e3, "peak_memory_gib": peak_mem, "memory": mem_label,
+            "memory_model_gib": model_gib, "checkpoint_layers": args.checkpoint_layers,
             "tflop_per_step": flops / 1e12, "mfu": mfu, "peak_tflops": peak / 1e12, "losses_finite": finite,
             "goals": [{"what": w, "value": v, "pass": ok, "note": n} for w, v, ok, n in goals]})
     if args.check and failed:

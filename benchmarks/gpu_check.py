@@ -6,10 +6,16 @@
     features     bf16 context features on the device -> the row encoding (int16 bits) -> back, bit for bit
     checkpoint   write_checkpoint / load_checkpoint of a drafter, AdamW and scheduler living on the device;
                  the restored weights and optimizer state equal the saved ones
+    recompute    train.checkpoint_layers: one training step with the layers checkpointed (flex attention
+                 and bf16 autocast on CUDA; SDPA on the CPU) gives the loss and gradients of the plain step
+    host_copy    (CUDA) a batch of context features (8K tokens x 5 taps x 4096, bf16) copied host -> device
+                 from pageable memory (what the trainer does today) and from pinned memory: GB/s of each,
+                 so the next change knows whether pinning pays
 
     python benchmarks/gpu_check.py --out FILE.json [--device cpu]   # cpu: the same code on gloo
 
-Writes one JSON: {"device", "collective", "features", "checkpoint", "ok"}; exit 1 when a part fails.
+Writes one JSON: {"device", "collective", "features", "checkpoint", "recompute", "host_copy", "ok"}; exit 1
+when a part fails.
 """
 from __future__ import annotations
 
@@ -134,6 +140,56 @@ def check_checkpoint(device) -> dict:
             "restored_on_device": on_device}
 
 
+def check_recompute(device) -> dict:
+    import torch
+
+    drafter = tiny_drafter(device)
+    g = torch.Generator().manual_seed(0)
+    bsz, seq, vocab = 2, 96, drafter.embed_weight.shape[0]
+    ids = torch.randint(0, vocab - 1, (bsz, seq), generator=g).to(device)
+    mask = torch.ones(bsz, seq, dtype=torch.long, device=device)
+    mask[:, :10] = 0
+    lengths = torch.tensor([seq, seq - 20], device=device)
+    context = torch.randn(bsz, seq, drafter.fc.in_features, generator=g).to(device)
+
+    def run(flag):
+        drafter.zero_grad()
+        drafter.checkpoint_layers = flag
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            out = drafter.training_loss(ids, mask, context, lengths, torch.Generator().manual_seed(1))
+        (out.loss_sum / out.weight_sum).backward()
+        return float(out.loss_sum.detach()), [p.grad.float().clone() for p in drafter.trainable_parameters()]
+
+    loss0, grads0 = run(False)
+    loss1, grads1 = run(True)
+    worst = max(float((a - b).abs().max() / (a.abs().max() + 1e-12)) for a, b in zip(grads0, grads1))
+    return {"ok": abs(loss1 - loss0) <= 1e-3 * abs(loss0) and worst <= 2e-2, "loss": loss0,
+            "loss_recomputed": loss1, "max_relative_grad_difference": worst}
+
+
+def check_host_copy(device) -> dict:
+    import torch
+
+    if device.type != "cuda":
+        return {"ok": True, "skipped": "no CUDA device"}
+    x = torch.randn(8192, 5 * 4096).to(torch.bfloat16)
+    pinned = x.pin_memory()
+    out = {}
+    for name, src in (("pageable", x), ("pinned", pinned)):
+        src.to(device, non_blocking=True)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(5):
+            src.to(device, non_blocking=True)
+        torch.cuda.synchronize()
+        out[f"{name}_gb_per_s"] = 5 * x.numel() * x.element_size() / (time.perf_counter() - t0) / 1e9
+    t0 = time.perf_counter()
+    x.pin_memory()
+    out["pin_seconds"] = time.perf_counter() - t0   # what pinning a fresh batch costs on the host
+    out["ok"] = True
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="the JSON of results")
@@ -149,13 +205,14 @@ def main(argv=None) -> int:
         torch.set_num_threads(1)
     report = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
               "torch": torch.__version__}
-    for name, check in (("collective", check_collective), ("features", check_features),
-                        ("checkpoint", check_checkpoint)):
+    checks = (("collective", check_collective), ("features", check_features), ("checkpoint", check_checkpoint),
+              ("recompute", check_recompute), ("host_copy", check_host_copy))
+    for name, check in checks:
         try:
             report[name] = check(device)
         except Exception:  # every part reports, whatever another did
             report[name] = {"ok": False, "error": traceback.format_exc(limit=4)}
-    report["ok"] = all(report[k]["ok"] for k in ("collective", "features", "checkpoint"))
+    report["ok"] = all(report[name]["ok"] for name, _ in checks)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(report, indent=2, default=str))
     print(json.dumps({k: (v["ok"] if isinstance(v, dict) else v) for k, v in report.items()}))

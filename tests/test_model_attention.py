@@ -109,7 +109,11 @@ def test_block_mask_tiles_follow_the_dense_rule(block_size, ctx_len, anchors):
     assert mask.kv_indices.shape == (anchors.shape[0], 1, qt, kt) and mask.seq_lengths == (q_len, kv_len)
 
 
-@pytest.mark.parametrize("block_size,ctx_len,anchors", SHAPES[::3], ids=IDS[::3])
+# eager flex on the CPU evaluates the rule per pair: shapes of up to 2048 queries keep this test quick
+OUTPUT_SHAPES = [(shape, name) for shape, name in zip(SHAPES[::3], IDS[::3]) if shape[0] * shape[2].shape[1] <= 2048]
+
+
+@pytest.mark.parametrize("block_size,ctx_len,anchors", [s for s, _ in OUTPUT_SHAPES], ids=[n for _, n in OUTPUT_SHAPES])
 def test_flex_output_equals_the_eager_mask_and_sdpa(block_size, ctx_len, anchors):
     q, k, v = _qkv(anchors, ctx_len, block_size)
     ours = flex_attention(q, k, v, block_mask=attention.flex_block_mask(anchors, ctx_len, block_size),

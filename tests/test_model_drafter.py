@@ -367,6 +367,43 @@ def test_only_trainable_weights_get_gradients(setup):
     d.zero_grad()
 
 
+def test_checkpointed_layers_give_the_same_loss_and_gradients_and_keep_less(setup):
+    """train.checkpoint_layers recomputes each layer in backward: the same numbers, fewer saved tensors
+    (counted with saved-tensor hooks: the memory model's claim that a layer then keeps only its input).
+    SDPA only: flex attention has no backward on the CPU (the CUDA path runs in benchmarks/gpu_check.py)."""
+    backend = "sdpa"
+    d = setup["drafter"]
+    s = setup
+    saved = {}
+
+    def run(flag):
+        d.zero_grad()
+        d.checkpoint_layers, d.attention_backend = flag, backend
+        count = [0]
+
+        def pack(t):
+            count[0] += t.numel() * t.element_size()
+            return t
+
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                out = d.training_loss(s["ids"], s["loss_mask"], s["context"], s["lengths"],
+                                      torch.Generator().manual_seed(3))
+            saved[flag] = count[0]
+            (out.loss_sum / out.weight_sum).backward()
+        finally:
+            d.checkpoint_layers, d.attention_backend = False, "auto"
+        return out.loss_sum.detach(), {n: p.grad.clone() for n, p in d.named_parameters()}
+
+    loss0, grads0 = run(False)
+    loss1, grads1 = run(True)
+    d.zero_grad()
+    torch.testing.assert_close(loss1, loss0)
+    for n in grads0:
+        torch.testing.assert_close(grads1[n], grads0[n], msg=n)
+    assert saved[True] < 0.5 * saved[False]
+
+
 def test_chunked_head_ce_matches_full_ce():
     g = torch.Generator().manual_seed(0)
     hidden = torch.randn(37, 16, generator=g, requires_grad=True)

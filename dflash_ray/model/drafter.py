@@ -14,6 +14,7 @@ import contextlib
 from dataclasses import dataclass, field
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
 from torch.nn import functional as F
 
@@ -123,6 +124,9 @@ class DFlashDrafter(nn.Module):
         self.loss_gamma = float(loss_gamma) if loss_gamma is not None else default_gamma(self.block_size)
         self.attention_backend = attention_backend
         self.ce_chunk_rows = int(ce_chunk_rows)
+        # activation checkpointing: each layer keeps only its input for backward and recomputes the rest
+        # (runtime/memory.py counts both ways); set by the runtime from train.checkpoint_layers
+        self.checkpoint_layers = False
         if self.block_size < 2:
             raise ValueError(f"block_size must be >= 2, got {self.block_size}")
 
@@ -229,8 +233,13 @@ class DFlashDrafter(nn.Module):
         ctx_cos, ctx_sin = self.rotary_emb(ctx_h, ctx_pos)
         cos, sin = self.rotary_emb(x, blk_pos)
         mask = training_mask(anchors, seq, bs, self.attention_backend)
+        recompute = self.checkpoint_layers and torch.is_grad_enabled()
         for layer in self.layers:
-            x = layer(x, ctx_h, ctx_cos, ctx_sin, cos, sin, mask)
+            if recompute:
+                x = torch.utils.checkpoint.checkpoint(layer, x, ctx_h, ctx_cos, ctx_sin, cos, sin, mask,
+                                                      use_reentrant=False)
+            else:
+                x = layer(x, ctx_h, ctx_cos, ctx_sin, cos, sin, mask)
         return self.norm(x).view(bsz, n, bs, -1)
 
     def block_loss(self, hidden, input_ids, loss_mask, lengths, anchors, valid) -> LossOutput:

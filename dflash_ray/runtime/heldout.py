@@ -37,7 +37,8 @@ def heldout_tau_of_weights(run_spec, weights: dict, out_dir: str) -> dict:
 
 
 def initial_and_trained_tau(run_spec, export_dir: str) -> dict:
-    """Held-out tau of the drafter as the run initialised it (same seed, same weights as step 0) and of
+    """Held-out tau of the drafter as the run initialised it (same seed; on the CPU the same weights as
+    step 0, on a GPU run another draw of the same initialisation, as the ranks initialise on the device) and of
     the exported one."""
     import torch
 

@@ -69,7 +69,9 @@ def build_run_drafter(run_spec, device):
 
     embed, head = load_embed_and_head(run_spec.target_path)
     target_config = AutoConfig.from_pretrained(run_spec.target_path)
-    return build_drafter(run_spec.drafter, target_config, embed, head, seed=run_spec.seed, device=device)
+    drafter = build_drafter(run_spec.drafter, target_config, embed, head, seed=run_spec.seed, device=device)
+    drafter.checkpoint_layers = bool(run_spec.train.checkpoint_layers)
+    return drafter
 
 
 def make_optimizer(train, drafter, schedule_steps: int):
