@@ -244,6 +244,11 @@ def train_command(cfg, args) -> int:
           f"{summary['tokens_per_second']:.0f} tokens/s; final loss {loss}; "
           f"failures survived: {summary['failures_survived']}; ledger "
           f"{'exactly-once' if led['ok'] else 'NOT OK: ' + json.dumps(led)}")
+    busy = summary.get("target_busy_by_bucket") or []
+    if busy:
+        print("target actors' busy time per batch by bucket: "
+              + ", ".join(f"{r['bucket']}: {r['mean_busy_ms']:.1f} ms" for r in busy)
+              + f" (max/min {summary['target_busy_max_over_min']:.2f})")
     tau = summary.get("heldout_tau")
     if tau:
         a, b = tau["initial"], tau["trained"]

@@ -7,7 +7,7 @@
              shards, held-out prompts), the drafter's tapped layers and mask token
     plan     the epoch plan (printed), a pure function of the data and the config
     train    on Ray: plan rows -> tokens -> TargetForward actors -> TorchTrainer drafter workers (DDP),
-             checkpoints every train.checkpoint_every steps, restarts from them on failure
+             checkpoints every train.checkpoint_every steps / checkpoint_every_minutes, restarts from them on failure
     summary  <run.dir>/summary.json: steps, tokens/s, restarts, and the ledger's exactly-once check
     export   <run.dir>/export, a Hugging Face drafter the reference `dflash` package loads
     tau      held-out tau (real speculative decoding against the target) of the fresh and the trained drafter
