@@ -51,7 +51,22 @@ def main(argv: list[str] | None = None) -> int:
     return run_command(argv[0], argv[1:])
 
 
+def missing_dependencies() -> list[str]:
+    """The project's dependencies this Python cannot import (a Ray job run by a cluster started outside the
+    project's environment lands here: its `python` is the system one)."""
+    import importlib.util
+
+    return [m for m in ("omegaconf", "hydra", "ray", "torch", "transformers", "pyarrow")
+            if importlib.util.find_spec(m) is None]
+
+
 def run_command(cmd: str, argv: list[str]) -> int:
+    missing = missing_dependencies()
+    if missing:
+        print(f"dflash-ray {cmd}: error: {sys.executable} cannot import {', '.join(missing)}: run it with the "
+              "project's environment (.venv/bin/python), and start Ray clusters from it (scripts/ray-start.sh) so "
+              "submitted jobs' `python` is that one", file=sys.stderr)
+        return 2
     if cmd not in COMMANDS:
         print(f"dflash-ray: error: unknown command '{cmd}' (one of {', '.join(COMMANDS)})", file=sys.stderr)
         return 2
@@ -95,6 +110,9 @@ def _dispatch(cmd: str, args) -> int:
     if args.cfg == "job":
         print(to_yaml(cfg), end="")
         return 0
+    from dflash_ray.paths import resolve_hub_ids
+
+    resolve_hub_ids(cfg)  # hub ids -> their local snapshot (downloaded where the hub is reachable)
     handler = {"regenerate": regenerate_command, "prepare": prepare_command, "plan": plan_command,
                "train": train_command, "compare-orders": compare_orders_command, "eval": eval_command,
                "export": export_command, "plot": plot_command}[cmd]
@@ -128,21 +146,32 @@ def regenerate_command(cfg, args) -> int:
 
 def prepare_command(cfg, args) -> int:
     from dflash_ray.config import require
-    from dflash_ray.data.prepare import prepare
+    from omegaconf import OmegaConf
 
-    summary = prepare(
-        require(cfg, "data.input"), require(cfg, "data.tokenizer"), require(cfg, "data.output"),
-        shard_size=int(cfg.data.shard_size), min_supervised=2 * int(cfg.model.block_size),
-        vocab_size=cfg.data.vocab_size, progress=not args.json,
-    )
+    from dflash_ray.data.prepare import options_from_config, prepare
+
+    where = (require(cfg, "data.input"), require(cfg, "data.tokenizer"), require(cfg, "data.output"))
+    if cfg.data.prepare_engine == "ray":
+        from dflash_ray.runtime.cluster import ray_cluster
+        from dflash_ray.runtime.prepare_job import prepare_on_ray
+
+        log = (lambda *a, **k: print(*a, file=sys.stderr, **k)) if args.json else print
+        with ray_cluster(OmegaConf.to_object(cfg.cluster), log=log):
+            summary = prepare_on_ray(*where, rows_per_task=int(cfg.data.prepare_rows_per_task),
+                                     **options_from_config(cfg))
+    else:
+        summary = prepare(*where, progress=not args.json, **options_from_config(cfg))
     out = summary.as_dict()
     if args.json:
         print(json.dumps(out, indent=2))
     else:
         dropped = ", ".join(f"{k}: {v}" for k, v in out["dropped"].items()) or "none"
-        print(f"prepared {out['samples']} samples, {out['tokens']} tokens "
+        untrusted = ", ".join(f"{k}: {v}" for k, v in out["untrusted_turns"].items()) or "none"
+        print(f"prepared {out['samples']} samples from {out['conversations']} conversations, {out['tokens']} tokens "
               f"({out['supervised_tokens']} supervised) in {out['shards']} shards -> {Path(out['output'])}")
-        print(f"dropped: {dropped}")
+        print(f"one row per assistant turn (the template rewrites history): {out['per_turn_conversations']} "
+              f"conversations; assistant turns left out (mask not trustworthy): {untrusted}")
+        print(f"dropped: {dropped}; {summary.bad_rows.summary_line()}")
     return 0
 
 
@@ -193,7 +222,10 @@ def plan_memory(cfg, plan) -> dict:
     return memory_report(plan, target, draft_layers=int(m.num_draft_layers), layer_ids=layer_ids, use_gpu=bool(c.use_gpu),
                          stored_bytes=4 if "32" in dtype else 2, device_memory_gib=float(c.device_memory_gb),
                          drafter_share=float(c.drafter_gpus), target_share=float(c.target_gpus),
-                         checkpoint_layers=bool(cfg.train.checkpoint_layers))
+                         checkpoint_layers=bool(cfg.train.checkpoint_layers),
+                         drafter_sizes={"intermediate": m.drafter_intermediate_size,
+                                        "heads": m.drafter_num_attention_heads,
+                                        "kv_heads": m.drafter_num_key_value_heads})
 
 
 def order_stats_command(args) -> int:

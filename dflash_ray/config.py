@@ -38,6 +38,10 @@ class ModelConfig:
     num_anchors: int = 512
     anchors_per_batch: Optional[int] = None   # blocks per batch over all its rows (None: num_anchors per row only)
     loss_gamma: Optional[float] = None
+    drafter_intermediate_size: Optional[int] = None     # drafter MLP width (None: the target's intermediate_size)
+    drafter_num_attention_heads: Optional[int] = None   # drafter heads (None: the target's); head_dim stays the target's
+    drafter_num_key_value_heads: Optional[int] = None
+    init_from: Optional[str] = None                     # an exported drafter directory to start from (step 0 only)
 
 
 @dataclass
@@ -65,6 +69,12 @@ class DataConfig:
     interleave: str = "default"
     chunk_batches: int = 64
     attention_tokens: Optional[float] = None   # La of the target's cost per row (None: from the target's shape; 0: off)
+    format: str = "auto"             # prepare's input rows: auto | sharegpt | openai | conversations
+    on_bad_row: str = "fail"         # prepare: fail (one line naming file and row) | skip (counted by reason)
+    turns: str = "all"               # history-rewriting templates: a row per assistant turn (all) or the last only
+    chat_template_kwargs: Optional[Dict[str, Any]] = None  # e.g. {enable_thinking: false}
+    prepare_engine: str = "local"    # prepare: local (one process) | ray (a Ray Data job on cluster.*)
+    prepare_rows_per_task: int = 2000  # ray: conversations per task
     synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
 
 
@@ -148,10 +158,14 @@ class RootConfig:
 
 
 CHOICES = {"data.overlong": ("truncate", "drop"),
+           "data.format": ("auto", "sharegpt", "openai", "conversations"), "data.on_bad_row": ("fail", "skip"),
+           "data.turns": ("all", "last"), "data.prepare_engine": ("local", "ray"),
            "data.interleave": ("default", "stride", "sequential", "random", "diversity"),
            "train.checkpoint_upload": ("async", "sync")}
 MINIMUM = {"model.anchors_per_batch": 1, "cluster.target_gpus": 0.01, "cluster.device_memory_gb": 0.1, "cluster.drafter_gpus": 0.01, "model.block_size": 2, "model.num_draft_layers": 1, "model.num_anchors": 1,
-           "data.shard_size": 1, "data.max_tokens_per_batch": 1, "data.chunk_batches": 1,
+           "model.drafter_intermediate_size": 1, "model.drafter_num_attention_heads": 1,
+           "model.drafter_num_key_value_heads": 1,
+           "data.shard_size": 1, "data.prepare_rows_per_task": 1, "data.max_tokens_per_batch": 1, "data.chunk_batches": 1,
            "cluster.target_workers": 1, "cluster.drafter_workers": 1, "cluster.max_batches_in_flight": 1,
            "train.epochs": 1, "train.grad_accum": 1, "train.checkpoint_every": 0,
            "train.checkpoint_every_minutes": 0.0, "train.num_to_keep": 1,

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The embedded default as a Ray job on a one-machine cluster without GPUs (tiny models, synthetic data).
-#   ray start --head --num-cpus 4 --resources '{"target_slot": 1}'     # once; --num-cpus 4 on 2 cores on purpose
+#   scripts/ray-start.sh --head --num-cpus 4 --resources '{"target_slot": 1}'     # once; --num-cpus 4 on 2 cores on purpose
 #   jobs/local.sh [overrides...]                                         # e.g. train.max_steps=20
 # RAY_ADDRESS defaults to the local dashboard. Extra arguments are config overrides.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export RAY_ADDRESS="${RAY_ADDRESS:-http://127.0.0.1:8265}"
-exec ray job submit --runtime-env jobs/runtime_env.yaml -- \
+RAY=ray; [ -x .venv/bin/ray ] && RAY=.venv/bin/ray   # the project's Ray: no activated venv needed
+exec "$RAY" job submit --runtime-env jobs/runtime_env.yaml -- \
   python -m dflash_ray.train cluster=local run.root="${RUN_ROOT:-$PWD/runs}" "$@"

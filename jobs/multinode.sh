@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Several 8-GPU nodes with shared storage (default split: 12 target + 4 drafter GPUs, cluster=multinode).
-#   head:    ray start --head
-#   workers: ray start --address=<head-ip>:6379
+#   head:    scripts/ray-start.sh --head
+#   workers: scripts/ray-start.sh --address=<head-ip>:6379
 #   jobs/multinode.sh model.target_path=/shared/Qwen3-8B data.tokenizer=/shared/Qwen3-8B data.shards=/shared/shards \
 #       train.storage_path=/shared/ray_train   # or s3://bucket/prefix
 # Checkpoints must be on storage every node reaches (NFS or S3): a restarted worker group may land on
@@ -10,5 +10,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export RAY_ADDRESS="${RAY_ADDRESS:-http://127.0.0.1:8265}"
-exec ray job submit --runtime-env jobs/runtime_env.yaml -- \
+RAY=ray; [ -x .venv/bin/ray ] && RAY=.venv/bin/ray   # the project's Ray: no activated venv needed
+exec "$RAY" job submit --runtime-env jobs/runtime_env.yaml -- \
   python -m dflash_ray.train cluster=multinode run.root="${RUN_ROOT:-$PWD/runs}" model=qwen3_8b data=sharegpt run.name="${RUN_NAME:-qwen3_8b_multinode}" "$@"

@@ -8,7 +8,7 @@ from helpers_data import make_tokenizer, write_jsonl
 from transformers import AutoTokenizer
 
 from dflash_ray.cli import run_command
-from dflash_ray.data.prepare import assistant_spans, prepare
+from dflash_ray.data.prepare import TURN_STRIDE, prepare
 from dflash_ray.data.shards import PREPARED_SCHEMA, list_shards
 
 
@@ -41,22 +41,7 @@ def test_loss_mask_covers_exactly_the_assistant_turns(tok_dir, tmp_path):
     # from the tokenizer alone
     answers = sum(len(tok(a, add_special_tokens=False)["input_ids"]) + 1 for a in ("3 4 5 6", "red blue red blue"))
     assert t.column("num_supervised")[0].as_py() == answers
-    assert t.column("sample_id").to_pylist() == [0, 1]
-
-
-def test_spans_fall_back_to_the_content_when_the_template_rewrites_history(tok_dir):
-    _, tokdir = tok_dir
-    tok = AutoTokenizer.from_pretrained(str(tokdir))
-    # a template that drops earlier assistant turns breaks the prefix property
-    tok.chat_template = ("{% for m in messages %}{% if m['role'] != 'assistant' or loop.last %}"
-                         "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
-                         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
-    conv = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "first"},
-            {"role": "user", "content": "b"}, {"role": "assistant", "content": "second"}]
-    text, spans = assistant_spans(tok, conv)
-    # the first answer is not in the rendering at all; the last one keeps its end-of-turn token
-    assert "first" not in text
-    assert [text[s:e] for s, e in spans] == ["second<|im_end|>"]
+    assert t.column("sample_id").to_pylist() == [0, TURN_STRIDE]  # conversation id x 1024 + turn (0: whole)
 
 
 def test_prepare_cli_summary_counts_drops(tok_dir, tmp_path, capsys):
@@ -80,11 +65,11 @@ def test_malformed_line_exits_2_naming_file_and_line_and_writes_nothing(tok_dir,
     rc = run_command("prepare", [f"data.input={src}", f"data.tokenizer={tokdir}", f"data.output={tmp_path}/o"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1
-    assert "c.jsonl: line 3: malformed JSON" in err[0]
+    assert "c.jsonl: row 2: malformed JSON" in err[0]      # rows count from 0 in every format
     assert not (tmp_path / "o").exists() and not list(tmp_path.glob(".o.tmp*"))
     src2 = write_jsonl(tmp_path / "d.jsonl", [{"id": 1, "conversations": [{"role": "robot", "content": "x"}]}])
     rc = run_command("prepare", [f"data.input={src2}", f"data.tokenizer={tokdir}", f"data.output={tmp_path}/o"])
-    assert rc == 2 and "d.jsonl: line 1:" in capsys.readouterr().err
+    assert rc == 2 and "d.jsonl: row 0: message 0: unknown role 'robot'" in capsys.readouterr().err
 
 
 def test_prepare_refuses_foreign_output_dirs_and_bad_encodings_and_templates(tok_dir, tmp_path, capsys):
@@ -107,7 +92,7 @@ def test_prepare_refuses_foreign_output_dirs_and_bad_encodings_and_templates(tok
     bad.write_bytes(json.dumps(good).encode() + b"\n" + b'{"id": 2, "conversations": [{"role": "user", "content": "caf\xe9"}]}\n')
     rc = run_command("prepare", [f"data.input={bad}", f"data.output={tmp_path}/q"] + args)
     err = capsys.readouterr().err.strip().splitlines()
-    assert rc == 2 and len(err) == 1 and "latin1.jsonl: line 2: not UTF-8" in err[0]
+    assert rc == 2 and len(err) == 1 and "latin1.jsonl: row 1: not UTF-8" in err[0]
     two_users = {"id": 3, "conversations": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
     strict = tmp_path / "tok_strict"
     import shutil
@@ -122,7 +107,7 @@ def test_prepare_refuses_foreign_output_dirs_and_bad_encodings_and_templates(tok
     src2 = write_jsonl(tmp_path / "d.jsonl", [two_users])
     rc = run_command("prepare", [f"data.input={src2}", f"data.output={tmp_path}/r", f"data.tokenizer={strict}", "model.block_size=2"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert rc == 2 and len(err) == 1 and "d.jsonl: line 1: chat template failed (no users here)" in err[0], err
+    assert rc == 2 and len(err) == 1 and "d.jsonl: row 0: chat template failed (no users here)" in err[0], err
 
 
 def _counting(m: int) -> dict:
@@ -139,24 +124,25 @@ def _supervised(tok, m: int) -> int:
     return m + 1
 
 
-def test_sample_id_is_the_input_line_index_so_dropped_lines_leave_gaps(tok_dir, tmp_path, capsys):
+def test_sample_id_is_the_input_row_index_times_1024_so_dropped_lines_leave_gaps(tok_dir, tmp_path, capsys):
     _, tokdir = tok_dir
     tok = AutoTokenizer.from_pretrained(str(tokdir))
-    lines = [_counting(9),                                            # line 1 -> id 0
-             "",                                                      # line 2: empty
-             {"conversations": [{"role": "user", "content": "hi"}]},  # line 3: no assistant turn
-             _counting(10),                                           # line 4 -> id 3
-             _counting(3),                                            # line 5: 4 supervised < 8
-             "   ",                                                   # line 6: blank
-             _counting(11)]                                           # line 7 -> id 6
+    lines = [_counting(9),                                            # row 0 -> id 0
+             "",                                                      # row 1: empty
+             {"conversations": [{"role": "user", "content": "hi"}]},  # row 2: no assistant turn
+             _counting(10),                                           # row 3 -> id 3 x 1024
+             _counting(3),                                            # row 4: 4 supervised < 8
+             "   ",                                                   # row 5: blank
+             _counting(11)]                                           # row 6 -> id 6 x 1024
     src = write_jsonl(tmp_path / "c.jsonl", lines)
     rc = run_command("prepare", [f"data.input={src}", f"data.tokenizer={tokdir}", f"data.output={tmp_path}/o",
                                  "model.block_size=4", "data.shard_size=2", "--json"])
     out = json.loads(capsys.readouterr().out)
     assert rc == 0 and out["samples"] == 3 and out["shards"] == 2
-    assert out["dropped"] == {"empty_line": 2, "no_assistant_turn": 1, "too_few_supervised_tokens": 1}
+    assert out["dropped"] == {"no_assistant_turn": 1, "too_few_supervised_tokens": 1}
+    assert out["bad_rows"]["counts"] == {"empty_line": 2} and out["conversations"] == 5
     shards = [pq.read_table(p) for p in list_shards(tmp_path / "o")]
-    assert [t.column("sample_id").to_pylist() for t in shards] == [[0, 3], [6]]
+    assert [t.column("sample_id").to_pylist() for t in shards] == [[0, 3 * 1024], [6 * 1024]]
     # each id holds the conversation of its line
     rows = [r for t in shards for r in t.to_pylist()]
     for row, m in zip(rows, (9, 10, 11)):
@@ -175,7 +161,7 @@ def test_min_supervised_is_two_blocks_inclusive(tok_dir, tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert rc == 0 and out["dropped"] == {"too_few_supervised_tokens": 1}
     t = pq.read_table(list_shards(tmp_path / "o")[0])
-    assert t.column("sample_id").to_pylist() == [1, 2]
+    assert t.column("sample_id").to_pylist() == [1 * 1024, 2 * 1024]
     assert [sum(m) for m in t.column("loss_mask").to_pylist()] == [8, 9] and out["supervised_tokens"] == 17
     # block_size 3 (6 tokens) keeps all three; block_size 5 (10 tokens) keeps none and says so
     rc = run_command("prepare", [f"data.input={src}", f"data.tokenizer={tokdir}", f"data.output={tmp_path}/p",
@@ -184,4 +170,4 @@ def test_min_supervised_is_two_blocks_inclusive(tok_dir, tmp_path, capsys):
     rc = run_command("prepare", [f"data.input={src}", f"data.tokenizer={tokdir}", f"data.output={tmp_path}/q",
                                  "model.block_size=5"])
     err = capsys.readouterr().err
-    assert rc == 2 and "no usable conversations (dropped: {'too_few_supervised_tokens': 3})" in err, err
+    assert rc == 2 and "no usable conversations (dropped: {'too_few_supervised_tokens': 3}; no bad rows)" in err, err

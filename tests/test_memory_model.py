@@ -94,3 +94,20 @@ def test_plan_warns_when_a_share_of_the_gpu_is_too_small(qwen3_8b_world, capsys)
     lines = capsys.readouterr().out.splitlines()
     warnings = [x for x in lines if x.startswith("WARNING")]
     assert len(warnings) == 1 and "the drafter step needs" in warnings[0] and "train.checkpoint_layers" in warnings[0]
+
+
+def test_moe_targets_count_their_experts_and_the_drafter_its_own_sizes():
+    qwen3_30b_a3b = {"hidden_size": 2048, "intermediate_size": 6144, "num_hidden_layers": 48,
+                     "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 151936,
+                     "num_experts": 128, "num_experts_per_tok": 8, "moe_intermediate_size": 768}
+    shape = Shape.of(qwen3_30b_a3b)
+    # q,o 2*2048*4096 + k,v 2*2048*512 + 128 experts x 3*2048*768 + router 2048*128 + norms 2*128 + 2*2048
+    assert shape.layer_params() == 16_777_216 + 2_097_152 + 603_979_776 + 262_144 + 256 + 4_096
+    # the target actor holds layers 0..45 (last tap 45) and the embedding: ~28.9B parameters in bf16
+    t = target_actor_memory(shape, last_tap=45, taps=5, tokens=16384, weight_bytes=2)
+    assert t["weights"] == 2 * (151936 * 2048 + 46 * shape.layer_params())
+    # its drafter is dense at the target's intermediate_size, or the config's own sizes
+    dense = shape.drafter()
+    assert dense.experts == 0 and dense.layer_params() == 16_777_216 + 2_097_152 + 3 * 2048 * 6144 + 256 + 4_096
+    small = shape.drafter(intermediate=1024, heads=16, kv_heads=4)
+    assert small.layer_params() == 2 * 2048 * 2048 + 2 * 2048 * 512 + 3 * 2048 * 1024 + 256 + 4_096

@@ -105,11 +105,11 @@ def test_regenerate_job_on_ray_is_resumable_and_counts_bad_lines(world, ray_sess
     cluster = SimpleNamespace(use_gpu=False, target_resource="target_slot", target_workers=1)
     counts = regenerate(str(src), str(out), target_dir=target, tokenizer_dir=tokdir, cluster=cluster,
                         max_new_tokens=12, batch_size=2, log=lambda *a: None)
-    assert counts["written"] == 2 and counts["malformed line"] == 1
-    assert counts["empty or malformed conversation"] == 1 and counts["regenerated turns"] == 3
+    assert counts["written"] == 2 and counts["bad row: malformed_json"] == 1
+    assert counts["bad row: empty_conversation"] == 1 and counts["regenerated turns"] == 3
     rows = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
-    assert set(rows) == {"a", "b"}
-    assert rows["a"]["conversations"] == expected_regeneration(CONVS[0], tok, target, 12)
+    assert set(rows) == {"0", "2"}                     # the conversations' ids: their rows in the input
+    assert rows["0"]["conversations"] == expected_regeneration(CONVS[0], tok, target, 12)
     again = regenerate(str(src), str(out), target_dir=target, tokenizer_dir=tokdir, cluster=cluster,
                        max_new_tokens=12, batch_size=2, log=lambda *a: None)
     assert again["skipped: already in the output"] == 2 and again.get("written", 0) == 0

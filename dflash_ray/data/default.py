@@ -9,7 +9,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from dflash_ray.config import require
-from dflash_ray.data.prepare import prepare
+from dflash_ray.data.prepare import options_from_config, prepare
 from dflash_ray.data.shards import list_shards
 from dflash_ray.data.synthetic import train_tokenizer, write_corpus
 
@@ -40,13 +40,12 @@ def ensure_corpus(cfg, log=print) -> bool:
 
 def ensure_shards(cfg, log=print) -> None:
     """Prepare data.input into data.shards when the shard directory does not exist yet. Required values
-    (`???`) must be given unless shards exist."""
+    (`???`) must be given unless shards exist. Shards at a URI (s3://...) are read, never prepared here."""
     d = cfg.data
     shards = require(cfg, "data.shards")
-    if not Path(shards).exists():
-        s = prepare(require(cfg, "data.input"), require(cfg, "data.tokenizer"), shards,
-                    shard_size=int(d.shard_size), min_supervised=2 * int(cfg.model.block_size),
-                    vocab_size=d.vocab_size, progress=False)
+    if "://" not in str(shards) and not Path(shards).exists():
+        s = prepare(require(cfg, "data.input"), require(cfg, "data.tokenizer"), shards, progress=False,
+                    **options_from_config(cfg))
         dropped = ", ".join(f"{k}: {v}" for k, v in s.dropped.items()) or "none"
         log(f"prepared {s.samples} samples, {s.tokens} tokens in {s.shards} shards -> {shards} (dropped: {dropped})")
     list_shards(shards)

@@ -1,42 +1,62 @@
-"""conversations.jsonl -> parquet shards (sample_id, input_ids, loss_mask, num_tokens, num_supervised).
+"""Conversations -> parquet shards (sample_id, input_ids, loss_mask, num_tokens, num_supervised).
 
-The loss mask comes from the tokenizer's own chat template: an assistant turn's span is the text that
-rendering conversation[:i+1] adds to rendering conversation[:i] with the generation prompt (so the
-turn's end-of-turn token is supervised too); characters map to tokens through the fast tokenizer's
-offsets. Templates without that prefix property (e.g. ones that rewrite earlier turns) fall back to the
-assistant content located in the full rendering.
+Inputs: ShareGPT, OpenAI messages (tools, tool calls, reasoning) or this project's own rows, in jsonl,
+json or parquet files, a directory or a glob (`formats.py`, detected per row or forced by data.format).
+What is supervised: exactly what the target generates for each assistant turn at serving time, rendered
+by the tokenizer's own chat template with the deployment's template arguments (`supervision.py`); a
+template that rewrites history gives one row per assistant turn. Bad rows stop the run with one line
+naming the file and row (data.on_bad_row=fail) or are skipped and counted by reason (skip).
+
+Sample ids: conversation id x 1024 + the row's turn (0 for a whole-conversation row, k for the k-th
+assistant turn's own row), where the conversation id is its running row index over the inputs: stable
+across reruns, unique, and id // 1024 names the input row.
 """
 from __future__ import annotations
 
-import json
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dflash_ray.atomic import atomic_dir
+from dflash_ray.data.formats import BadRows, expand_inputs, iter_chunk, iter_conversations
 from dflash_ray.data.shards import PREPARED_SCHEMA
+from dflash_ray.data.supervision import supervise
 from dflash_ray.errors import UserError
 
-ROLES = ("system", "user", "assistant", "tool")
+TURN_STRIDE = 1024  # sample_id = conversation id x TURN_STRIDE + row turn
 
 
 @dataclass
 class PrepareSummary:
+    conversations: int = 0
     samples: int = 0
     tokens: int = 0
     supervised_tokens: int = 0
     shards: int = 0
+    per_turn_conversations: int = 0       # the template rewrote history: one row per assistant turn
     dropped: Counter = field(default_factory=Counter)
+    untrusted_turns: Counter = field(default_factory=Counter)  # assistant turns left out, by reason
+    bad_rows: BadRows = field(default_factory=BadRows)
     output: str = ""
 
+    def merge(self, other: "PrepareSummary") -> None:
+        """Add another part's counts (a chunk of the Ray Data prepare), in input order."""
+        for name in ("conversations", "samples", "tokens", "supervised_tokens", "per_turn_conversations"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.dropped.update(other.dropped)
+        self.untrusted_turns.update(other.untrusted_turns)
+        self.bad_rows.merge(other.bad_rows)
+
     def as_dict(self) -> dict:
-        return {"samples": self.samples, "tokens": self.tokens, "supervised_tokens": self.supervised_tokens,
-                "shards": self.shards, "dropped": dict(self.dropped), "output": self.output}
+        return {"conversations": self.conversations, "samples": self.samples, "tokens": self.tokens,
+                "supervised_tokens": self.supervised_tokens, "shards": self.shards,
+                "per_turn_conversations": self.per_turn_conversations, "dropped": dict(self.dropped),
+                "untrusted_turns": dict(self.untrusted_turns), "bad_rows": self.bad_rows.as_dict(),
+                "output": self.output}
 
 
 def load_tokenizer(path: str):
@@ -56,53 +76,6 @@ def load_tokenizer(path: str):
     return tok
 
 
-def _read_conversation(path: Path, lineno: int, line: str) -> list[dict]:
-    try:
-        obj = json.loads(line)
-    except json.JSONDecodeError as e:
-        raise UserError(f"{path}: line {lineno}: malformed JSON ({e.msg})") from e
-    conv = obj.get("conversations") if isinstance(obj, dict) else None
-    if not isinstance(conv, list):
-        raise UserError(f"{path}: line {lineno}: missing 'conversations' list")
-    for m in conv:
-        if not isinstance(m, dict) or m.get("role") not in ROLES or not isinstance(m.get("content"), str):
-            raise UserError(f"{path}: line {lineno}: each message needs a role ({'/'.join(ROLES)}) and string content")
-    return conv
-
-
-def assistant_spans(tok, conv: list[dict]) -> tuple[str, list[tuple[int, int]]]:
-    """The rendered text and the character spans of the assistant turns in it."""
-    full = tok.apply_chat_template(conv, tokenize=False)
-    spans, cursor = [], 0
-    for i, m in enumerate(conv):
-        if m["role"] != "assistant":
-            continue
-        before = tok.apply_chat_template(conv[:i], tokenize=False, add_generation_prompt=True) if i else None
-        upto = tok.apply_chat_template(conv[:i + 1], tokenize=False)
-        if before is not None and full.startswith(upto) and upto.startswith(before):
-            end = len(upto)
-            while end > len(before) and upto[end - 1].isspace():  # the turn ends at its end-of-turn token
-                end -= 1
-            spans.append((len(before), end))
-            cursor = len(upto)
-        else:
-            at = full.find(m["content"], cursor)
-            if at >= 0:
-                spans.append((at, at + len(m["content"])))
-                cursor = at + len(m["content"])
-    return full, spans
-
-
-def tokenize_with_mask(tok, text: str, spans: list[tuple[int, int]]) -> tuple[np.ndarray, np.ndarray]:
-    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
-    ids = np.asarray(enc["input_ids"], dtype=np.int32)
-    starts = np.asarray([s for s, _ in enc["offset_mapping"]], dtype=np.int64)
-    mask = np.zeros(ids.size, dtype=np.int8)
-    for s, e in spans:
-        mask[(starts >= s) & (starts < e)] = 1
-    return ids, mask
-
-
 def _check_output_dir(out: Path, src: Path) -> None:
     """prepare replaces its output directory whole: refuse one that holds anything it did not write."""
     if not out.exists():
@@ -117,70 +90,132 @@ def _check_output_dir(out: Path, src: Path) -> None:
                         "choose an empty or new data.output")
 
 
-def prepare(input_path: str, tokenizer_path: str, output: str, *, shard_size: int = 10000,
-            min_supervised: int = 0, vocab_size: int | None = None, progress: bool = True) -> PrepareSummary:
-    from tqdm import tqdm
+def options_from_config(cfg) -> dict:
+    """prepare()'s keyword arguments from the config (the command and the embedded default's data)."""
+    from omegaconf import OmegaConf
 
-    src = Path(input_path)
-    if not src.is_file():
-        raise UserError(f"{src}: input file does not exist")
-    _check_output_dir(Path(output), src)
-    tok = load_tokenizer(tokenizer_path)
+    d = cfg.data
+    return dict(shard_size=int(d.shard_size), min_supervised=2 * int(cfg.model.block_size), vocab_size=d.vocab_size,
+                format=str(d.format), on_bad_row=str(d.on_bad_row), turns=str(d.turns),
+                template_kwargs=OmegaConf.to_container(d.chat_template_kwargs) if d.chat_template_kwargs else None)
+
+
+@dataclass(frozen=True)
+class Options:
+    """What prepare does with each conversation (the data.* config keys)."""
+    shard_size: int = 10000
+    min_supervised: int = 0
+    vocab_size: int | None = None
+    format: str = "auto"
+    on_bad_row: str = "fail"
+    turns: str = "all"
+    template_kwargs: dict | None = None
+
+
+def _table(rows: dict) -> pa.Table:
+    return pa.table({
+        "sample_id": pa.array(rows["sample_id"], type=pa.int64()),
+        "input_ids": pa.array(rows["input_ids"], type=pa.list_(pa.int32())),
+        "loss_mask": pa.array(rows["loss_mask"], type=pa.list_(pa.int8())),
+        "num_tokens": pa.array(rows["num_tokens"], type=pa.int32()),
+        "num_supervised": pa.array(rows["num_supervised"], type=pa.int32()),
+    }, schema=PREPARED_SCHEMA)
+
+
+def add_conversation(tok, conv, opts: Options, summary: PrepareSummary, rows: dict) -> None:
+    """The training rows of one conversation appended to `rows` (columns of PREPARED_SCHEMA), its drops,
+    untrusted turns and bad rows counted in `summary`. The one place both prepare paths decide."""
+    def bad(reason: str, detail: str):
+        if opts.on_bad_row == "fail":
+            raise UserError(f"{conv.source}: row {conv.row}: {detail}")
+        summary.bad_rows.add(reason, conv.source, conv.row, detail)
+
+    summary.conversations += 1
+    if not any(m["role"] == "assistant" for m in conv.messages):
+        summary.dropped["no_assistant_turn"] += 1
+        return
+    try:
+        sup = supervise(tok, conv.messages, conv.tools, template_kwargs=opts.template_kwargs, turns=opts.turns)
+    except Exception as e:  # the template's own errors (jinja2), e.g. "roles must alternate"
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        bad("chat_template_failed", f"chat template failed ({reason})")
+        return
+    summary.untrusted_turns.update(sup.skipped_turns)
+    summary.per_turn_conversations += int(sup.per_turn)
+    if not sup.rows:
+        summary.dropped["no_trusted_assistant_turn"] += 1
+        return
+    for row in sup.rows:
+        if row.turn >= TURN_STRIDE:
+            summary.dropped["assistant_turns_over_1023"] += 1
+            continue
+        if opts.vocab_size is not None and row.ids.size and row.ids.max() >= opts.vocab_size:
+            bad("token_out_of_vocabulary", f"token id {int(row.ids.max())} >= vocab size {opts.vocab_size}")
+            return
+        supervised = int(row.mask.sum())
+        if supervised < opts.min_supervised:
+            summary.dropped["too_few_supervised_tokens"] += 1
+            continue
+        rows["sample_id"].append(conv.id * TURN_STRIDE + row.turn)
+        rows["input_ids"].append(row.ids)
+        rows["loss_mask"].append(row.mask)
+        rows["num_tokens"].append(int(row.ids.size))
+        rows["num_supervised"].append(supervised)
+        summary.samples += 1
+        summary.tokens += int(row.ids.size)
+        summary.supervised_tokens += supervised
+
+
+def prepare_chunk(tok, chunk, opts: Options) -> tuple[pa.Table, PrepareSummary]:
+    """One chunk of the inputs (formats.plan_chunks) -> its rows and counts: a task of the Ray Data prepare."""
+    summary = PrepareSummary()
+    rows: dict[str, list] = {name: [] for name in PREPARED_SCHEMA.names}
+    for conv in iter_chunk(chunk, format=opts.format, on_bad_row=opts.on_bad_row, report=summary.bad_rows):
+        add_conversation(tok, conv, opts, summary, rows)
+    return _table(rows), summary
+
+
+def check_inputs(input_path, output: str, shard_size: int) -> list[str]:
+    inputs = expand_inputs(input_path)
+    for src in inputs:
+        _check_output_dir(Path(output), Path(src))
     if shard_size < 1:
         raise UserError("config key 'data.shard_size': must be >= 1")
+    return inputs
+
+
+def no_samples(input_path, summary: PrepareSummary) -> UserError:
+    return UserError(f"{input_path}: no usable conversations (dropped: {dict(summary.dropped) or 'none'}; "
+                     f"{summary.bad_rows.summary_line()})")
+
+
+def prepare(input_path, tokenizer_path: str, output: str, *, progress: bool = True, **options) -> PrepareSummary:
+    """Single-process prepare: one pass over the inputs, shards of data.shard_size rows written as it goes
+    (the Ray Data job is runtime/prepare_job.py)."""
+    from tqdm import tqdm
+
+    opts = Options(**options)
+    inputs = check_inputs(input_path, output, opts.shard_size)
+    tok = load_tokenizer(tokenizer_path)
     summary = PrepareSummary(output=str(output))
     rows: dict[str, list] = {name: [] for name in PREPARED_SCHEMA.names}
 
     def flush(dest: Path):
-        if not rows["sample_id"]:
-            return
-        table = pa.table({
-            "sample_id": pa.array(rows["sample_id"], type=pa.int64()),
-            "input_ids": pa.array(rows["input_ids"], type=pa.list_(pa.int32())),
-            "loss_mask": pa.array(rows["loss_mask"], type=pa.list_(pa.int8())),
-            "num_tokens": pa.array(rows["num_tokens"], type=pa.int32()),
-            "num_supervised": pa.array(rows["num_supervised"], type=pa.int32()),
-        }, schema=PREPARED_SCHEMA)
-        pq.write_table(table, dest / f"part-{summary.shards:05d}.parquet")
-        summary.shards += 1
-        for v in rows.values():
-            v.clear()
+        if rows["sample_id"]:
+            pq.write_table(_table(rows), dest / f"part-{summary.shards:05d}.parquet")
+            summary.shards += 1
+            for v in rows.values():
+                v.clear()
 
-    with atomic_dir(output) as dest, open(src, "rb") as f:
-        for lineno, raw in enumerate(tqdm(f, desc="prepare", unit=" conv", disable=None if progress else True,
-                                          file=sys.stderr), start=1):  # disable=None: bar only on a terminal
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as e:
-                raise UserError(f"{src}: line {lineno}: not UTF-8 ({e.reason} at byte {e.start})") from e
-            if not line.strip():
-                summary.dropped["empty_line"] += 1
-                continue
-            conv = _read_conversation(src, lineno, line)
-            if not any(m["role"] == "assistant" for m in conv):
-                summary.dropped["no_assistant_turn"] += 1
-                continue
-            try:
-                text, spans = assistant_spans(tok, conv)
-            except Exception as e:  # the template's own errors (jinja2), e.g. "roles must alternate"
-                raise UserError(f"{src}: line {lineno}: chat template failed ({str(e).splitlines()[0]})") from e
-            ids, mask = tokenize_with_mask(tok, text, spans)
-            if vocab_size is not None and ids.size and ids.max() >= vocab_size:
-                raise UserError(f"{src}: line {lineno}: token id {int(ids.max())} >= vocab size {vocab_size}")
-            if int(mask.sum()) < min_supervised:
-                summary.dropped["too_few_supervised_tokens"] += 1
-                continue
-            rows["sample_id"].append(lineno - 1)  # the line's index: unique and stable
-            rows["input_ids"].append(ids)
-            rows["loss_mask"].append(mask)
-            rows["num_tokens"].append(int(ids.size))
-            rows["num_supervised"].append(int(mask.sum()))
-            summary.samples += 1
-            summary.tokens += int(ids.size)
-            summary.supervised_tokens += int(mask.sum())
-            if len(rows["sample_id"]) >= shard_size:
+    conversations = iter_conversations(inputs, format=opts.format, on_bad_row=opts.on_bad_row,
+                                       report=summary.bad_rows)
+    with atomic_dir(output) as dest:
+        for conv in tqdm(conversations, desc="prepare", unit=" conv", file=sys.stderr,
+                         disable=None if progress else True):  # disable=None: a bar only on a terminal
+            add_conversation(tok, conv, opts, summary, rows)
+            if len(rows["sample_id"]) >= opts.shard_size:
                 flush(dest)
         flush(dest)
         if summary.samples == 0:
-            raise UserError(f"{src}: no usable conversations (dropped: {dict(summary.dropped) or 'none'})")
+            raise no_samples(input_path, summary)
     return summary

@@ -21,12 +21,20 @@ def find_tokenizer(*candidates):
 
 
 def read_prompts(path: str, tok, limit: int) -> list[list[int]]:
-    """Token ids of up to `limit` prompts, each rendered as the serving engine renders it."""
-    src = Path(path)
-    if not src.is_file():
+    """Token ids of up to `limit` prompts, each rendered as the serving engine renders it. `path`: a local
+    file or a URI pyarrow opens (file://, s3://, gs://)."""
+    import io
+
+    import pyarrow.fs as pafs
+
+    from dflash_ray.data.shards import filesystem_of
+
+    src = path
+    fs, where = filesystem_of(str(path))
+    if fs.get_file_info(where).type != pafs.FileType.File:
         raise UserError(f"{src}: prompts file does not exist")
     prompts = []
-    with open(src) as f:
+    with fs.open_input_stream(where) as raw, io.TextIOWrapper(raw, encoding="utf-8") as f:
         for lineno, line in enumerate(f, start=1):
             if not line.strip():
                 continue

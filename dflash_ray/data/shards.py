@@ -31,20 +31,51 @@ PREPARED_SCHEMA = SCHEMA.append(pa.field(SUPERVISED, pa.int32()))  # what `prepa
 _LIST_COLUMNS = ("input_ids", "loss_mask")
 
 
-def list_shards(directory: str | os.PathLike) -> list[Path]:
-    d = Path(directory)
-    if not d.exists():
-        raise UserError(f"{d}: shard directory does not exist")
-    if not d.is_dir():
-        raise UserError(f"{d}: not a directory")
-    files = sorted(p for p in d.glob("*.parquet") if p.is_file())
-    if not files:
-        raise UserError(f"{d}: no .parquet shards in directory")
+def filesystem_of(location: str):
+    """(pyarrow filesystem, path) for a local path or any URI pyarrow opens (file://, s3://, gs://, hdfs://)."""
+    import pyarrow.fs as pafs
+
+    if "://" in str(location):
+        try:
+            return pafs.FileSystem.from_uri(str(location))
+        except Exception as e:  # an unknown scheme, missing credentials: pyarrow's reason on one line
+            raise UserError(f"{location}: cannot open this location ({str(e).splitlines()[0]})") from e
+    return pafs.LocalFileSystem(), str(Path(location).resolve())
+
+
+class ShardFile(str):
+    """A shard's location as given (a path or a URI: what messages name), with the filesystem it lives on."""
+    fs = None
+    path = ""
+
+
+def list_shards(directory: str | os.PathLike) -> list[ShardFile]:
+    """The *.parquet files directly in `directory` (a local path or a URI), sorted."""
+    import pyarrow.fs as pafs
+
+    fs, root = filesystem_of(str(directory))
+    info = fs.get_file_info(root)
+    if info.type == pafs.FileType.NotFound:
+        raise UserError(f"{directory}: shard directory does not exist")
+    if info.type != pafs.FileType.Directory:
+        raise UserError(f"{directory}: not a directory")
+    found = sorted(i.path for i in fs.get_file_info(pafs.FileSelector(root))
+                   if i.type == pafs.FileType.File and i.path.endswith(".parquet"))
+    if not found:
+        raise UserError(f"{directory}: no .parquet shards in directory")
+    files = []
+    for path in found:
+        name = path if "://" not in str(directory) else f"{str(directory).rstrip('/')}/{path.rsplit('/', 1)[-1]}"
+        f = ShardFile(name)
+        f.fs, f.path = fs, path
+        files.append(f)
     return files
 
 
-def _open(path: Path) -> pq.ParquetFile:
+def _open(path) -> pq.ParquetFile:
     try:
+        if isinstance(path, ShardFile):
+            return pq.ParquetFile(path.fs.open_input_file(path.path))
         return pq.ParquetFile(path)
     except Exception as e:  # pyarrow raises several types for corrupt files
         raise UserError(f"{path}: not a readable parquet file ({str(e).splitlines()[0]})") from e

@@ -48,6 +48,11 @@ class DrafterConfig:
     mask_token_id: int | None = None
     anchors_per_batch: int | None = None   # blocks per batch (all rows), spread in proportion to each row's
                                            # valid anchors: the drafter's work per step; None = no bound
+    # architecture knobs; None = the target's value. The width (hidden_size) and head_dim are always the
+    # target's: fc maps into the target's width and the embedding/head are the target's own.
+    intermediate_size: int | None = None
+    num_attention_heads: int | None = None
+    num_key_value_heads: int | None = None
 
 
 def anchor_quota(valid: list[int], per_row: int, per_batch: int | None) -> list[int]:
@@ -76,9 +81,16 @@ def anchor_quota(valid: list[int], per_row: int, per_batch: int | None) -> list[
 
 
 def drafter_config(target_hf_config, num_draft_layers: int, block_size: int, mask_token_id: int,
-                   target_layer_ids: list[int] | None = None) -> Qwen3Config:
+                   target_layer_ids: list[int] | None = None, intermediate_size: int | None = None,
+                   num_attention_heads: int | None = None, num_key_value_heads: int | None = None) -> Qwen3Config:
     """The drafter's Qwen3Config, carrying the DFlash fields both at top level and in `dflash_config`
-    (the reference reads either: `_draft_value`)."""
+    (the reference reads either: `_draft_value`).
+
+    The target may be any HF decoder (Qwen3, Llama, Qwen3-MoE, ...): only the width fields in
+    `_TARGET_FIELDS` are copied, so an MoE target's expert fields are ignored and the drafter stays a dense
+    Qwen3-style model whose MLP width is the target's `intermediate_size` (Qwen3-30B-A3B: 6144, its dense
+    MLP width, not the 768 of one expert) unless `intermediate_size` is given. `num_attention_heads` /
+    `num_key_value_heads` replace the target's head counts; head_dim stays the target's."""
     tcfg = target_hf_config.to_dict() if hasattr(target_hf_config, "to_dict") else dict(target_hf_config)
     tcfg = tcfg.get("text_config", tcfg) if "hidden_size" not in tcfg else tcfg
     num_target_layers = int(tcfg["num_hidden_layers"])
@@ -88,6 +100,20 @@ def drafter_config(target_hf_config, num_draft_layers: int, block_size: int, mas
     if min(target_layer_ids) < 0 or max(target_layer_ids) >= num_target_layers:
         raise ValueError(f"target_layer_ids {target_layer_ids} out of range for {num_target_layers} target layers")
     fields = {k: tcfg[k] for k in _TARGET_FIELDS if tcfg.get(k) is not None}
+    # explicit: Qwen3Config's own default (128) would otherwise stand in for a target that derives it
+    fields["head_dim"] = int(tcfg.get("head_dim") or tcfg["hidden_size"] // tcfg["num_attention_heads"])
+    for name, value in (("intermediate_size", intermediate_size), ("num_attention_heads", num_attention_heads),
+                        ("num_key_value_heads", num_key_value_heads)):
+        if value is not None:
+            if int(value) < 1:
+                raise ValueError(f"drafter {name} must be >= 1, got {value}")
+            fields[name] = int(value)
+    if "intermediate_size" not in fields:  # else Qwen3Config's default (22016) would stand in silently
+        raise ValueError("the target's config has no intermediate_size: give the drafter's")
+    fields.setdefault("num_key_value_heads", fields["num_attention_heads"])
+    if fields["num_attention_heads"] % fields["num_key_value_heads"]:
+        raise ValueError(f"drafter num_attention_heads {fields['num_attention_heads']} is not a multiple of "
+                         f"num_key_value_heads {fields['num_key_value_heads']}")
     dflash = {"block_size": int(block_size), "mask_token_id": int(mask_token_id),
               "target_layer_ids": target_layer_ids}
     return Qwen3Config(
@@ -352,7 +378,9 @@ def build_drafter(cfg: DrafterConfig, target_hf_config, embed_weight, head_weigh
     if mask_token_id is None:
         mask_token_id = default_mask_token_id(embed_weight.shape[0])
     config = drafter_config(target_hf_config, num_draft_layers=cfg.num_draft_layers, block_size=cfg.block_size,
-                            mask_token_id=mask_token_id, target_layer_ids=cfg.target_layer_ids)
+                            mask_token_id=mask_token_id, target_layer_ids=cfg.target_layer_ids,
+                            intermediate_size=cfg.intermediate_size, num_attention_heads=cfg.num_attention_heads,
+                            num_key_value_heads=cfg.num_key_value_heads)
     kwargs = dict(num_anchors=cfg.num_anchors, loss_gamma=cfg.loss_gamma, attention_backend=attention_backend,
                   anchors_per_batch=cfg.anchors_per_batch)
     # torch.device as a context: every parameter (and the RoPE buffer) is allocated and initialised on

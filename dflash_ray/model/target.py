@@ -36,22 +36,38 @@ def default_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> l
 
 
 def build_synthetic_target(target_config: dict, vocab_size: int, out_dir: str, seed: int = 0) -> str:
-    """Build a randomly initialised Qwen3ForCausalLM from config fields and save it as a HF directory.
+    """Build a randomly initialised causal LM from config fields and save it as a HF directory: a
+    Qwen3ForCausalLM, or another architecture when the fields name its `model_type` (e.g. `llama`,
+    `qwen3_moe`: tiny stand-ins of the presets' targets).
 
     Used for the CPU default run and the tests: nothing is downloaded. The global RNG is left untouched.
     """
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-    fields = dict(target_config or {})
+    fields = _plain(target_config or {})  # a copy: configs write into nested dicts (rope_scaling)
     fields["vocab_size"] = int(vocab_size)
-    config = Qwen3Config(**fields)
+    model_type = fields.pop("model_type", "qwen3")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen3ForCausalLM(config)
+        if model_type == "qwen3":  # the default, built as it always was (same weights for the same seed)
+            model = Qwen3ForCausalLM(Qwen3Config(**fields))
+        else:
+            model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **fields))
     model.eval()
     os.makedirs(out_dir, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     return out_dir
+
+
+def _plain(value):
+    """Nested mappings/sequences (OmegaConf's too) as new plain dicts/lists."""
+    from collections.abc import Mapping, Sequence
+
+    if isinstance(value, Mapping):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        return [_plain(v) for v in value]
+    return value
 
 
 def target_dtype(path: str) -> torch.dtype:
@@ -179,7 +195,11 @@ class TargetFeatureExtractor(nn.Module):
         )
         position_embeddings = dec.rotary_emb(hidden, position_ids)
         layer_types = getattr(self.config, "layer_types", None)
-        if layer_types and "sliding_attention" in layer_types[: self.last_layer + 1]:
+        # configs without layer_types (Qwen3-MoE, Mistral) slide every layer when sliding_window is set
+        # (Qwen3-MoE clears it unless use_sliding_window); the causal mask here would then be wrong
+        sliding = (layer_types and "sliding_attention" in layer_types[: self.last_layer + 1]) or (
+            not layer_types and getattr(self.config, "sliding_window", None) is not None)
+        if sliding:
             raise NotImplementedError("sliding-window targets are not supported by TargetFeatureExtractor")
 
         # Write each tapped layer straight into its slice of the output: no list of hidden states is kept.

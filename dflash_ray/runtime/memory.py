@@ -42,6 +42,9 @@ class Shape:
     vocab: int
     layers: int
     tied: bool
+    experts: int = 0             # MoE: routed experts per layer (0: a dense MLP)
+    expert_intermediate: int = 0
+    active_experts: int = 0
 
     @classmethod
     def of(cls, target: dict) -> "Shape":
@@ -50,7 +53,26 @@ class Shape:
         return cls(hidden=h, heads=heads, kv_heads=int(t.get("num_key_value_heads") or heads),
                    head_dim=int(t.get("head_dim") or h // heads), intermediate=int(t["intermediate_size"]),
                    vocab=int(t["vocab_size"]), layers=int(t["num_hidden_layers"]),
-                   tied=bool(target.get("tie_word_embeddings", t.get("tie_word_embeddings", False))))
+                   tied=bool(target.get("tie_word_embeddings", t.get("tie_word_embeddings", False))),
+                   experts=int(t.get("num_experts") or t.get("num_local_experts") or 0),
+                   expert_intermediate=int(t.get("moe_intermediate_size") or 0),
+                   active_experts=int(t.get("num_experts_per_tok") or 0))
+
+    def drafter(self, intermediate: int | None = None, heads: int | None = None, kv_heads: int | None = None):
+        """The drafter's shape: dense, the target's width, with the drafter's own MLP width and heads."""
+        from dataclasses import replace
+
+        return replace(self, intermediate=intermediate or self.intermediate, heads=heads or self.heads,
+                       kv_heads=kv_heads or self.kv_heads, experts=0, expert_intermediate=0, active_experts=0)
+
+    def mlp_params(self) -> int:
+        if self.experts:  # routed experts and the router
+            return 3 * self.hidden * self.expert_intermediate * self.experts + self.hidden * self.experts
+        return 3 * self.hidden * self.intermediate
+
+    def mlp_activations(self) -> int:
+        """Elements of one token's MLP intermediates (gate, up, their product): the active experts' for MoE."""
+        return 3 * (self.expert_intermediate * self.active_experts if self.experts else self.intermediate)
 
     @property
     def q(self) -> int:
@@ -63,7 +85,7 @@ class Shape:
     def layer_params(self) -> int:
         """A Qwen3 decoder layer's parameters (projections, q/k norms, two RMSNorms)."""
         h = self.hidden
-        return 2 * h * self.q + 2 * h * self.kv + 3 * h * self.intermediate + 2 * self.head_dim + 2 * h
+        return 2 * h * self.q + 2 * h * self.kv + self.mlp_params() + 2 * self.head_dim + 2 * h
 
 
 def drafter_params(shape: Shape, draft_layers: int, taps: int) -> int:
@@ -111,7 +133,7 @@ def target_actor_memory(shape: Shape, *, last_tap: int, taps: int, tokens: int, 
     state, q/k/v, the attention output and the SwiGLU's intermediates, per token."""
     h = shape.hidden
     weights = weight_bytes * (shape.vocab * h + (last_tap + 1) * shape.layer_params())
-    working = weight_bytes * tokens * (3 * h + shape.q + 2 * shape.kv + shape.q + 3 * shape.intermediate)
+    working = weight_bytes * tokens * (3 * h + shape.q + 2 * shape.kv + shape.q + shape.mlp_activations())
     parts = {"weights": weights, "features": weight_bytes * tokens * taps * h, "working": working}
     parts["total"] = sum(parts.values())
     return parts
@@ -119,12 +141,14 @@ def target_actor_memory(shape: Shape, *, last_tap: int, taps: int, tokens: int, 
 
 def memory_report(plan, target: dict, *, draft_layers: int, layer_ids: list[int], use_gpu: bool,
                   stored_bytes: int, device_memory_gib: float, drafter_share: float, target_share: float,
-                  checkpoint_layers: bool) -> dict:
+                  checkpoint_layers: bool, drafter_sizes: dict | None = None) -> dict:
     """The drafter step's estimated peak for every batch of the plan (the worst one reported, and the
     spread over buckets) and the target actor's for the longest batch, against the device's memory per
     process (its share of the GPU). Text lines, figures, warnings. stored_bytes: the element size of the
-    target's checkpoint (the frozen embedding/head keep it; a GPU target actor loads bf16)."""
-    shape = Shape.of(target)
+    target's checkpoint (the frozen embedding/head keep it; a GPU target actor loads bf16). drafter_sizes:
+    the drafter's own intermediate/heads/kv_heads where the config sets them."""
+    target_shape = Shape.of(target)
+    shape = target_shape.drafter(**(drafter_sizes or {}))
     taps = len(layer_ids)
     peaks = plan_drafter_peaks(plan, shape, draft_layers=draft_layers, taps=taps, gpu=use_gpu,
                                frozen_bytes=stored_bytes if use_gpu else 4, checkpoint_layers=checkpoint_layers)
@@ -139,7 +163,7 @@ def memory_report(plan, target: dict, *, draft_layers: int, layer_ids: list[int]
         checkpoint_layers=checkpoint_layers, mask_pairs=int(rows[worst] * queries * (plan.max_len[worst] + queries)))
     by_bucket = [float(peaks[plan.bucket == b].max()) for b in range(len(plan.plan_spec.boundaries))
                  if (plan.bucket == b).any()]
-    target_mem = target_actor_memory(shape, last_tap=max(layer_ids), taps=taps,
+    target_mem = target_actor_memory(target_shape, last_tap=max(layer_ids), taps=taps,
                                      tokens=int(plan.padded_tokens().max()), weight_bytes=2 if use_gpu else 4)
     where = "GPU, bf16 autocast" if use_gpu else "CPU, fp32"
     g = lambda b: f"{b / GIB:,.2f} GiB" if b >= GIB / 2 else f"{b / 2 ** 20:,.1f} MiB"  # noqa: E731

@@ -1,7 +1,7 @@
 """`dflash-ray regenerate`: the same conversations, with every assistant turn replaced by the target's own
 greedy answer, as a Ray Data job.
 
-    conversations .jsonl (read, checked line by line; rows already in the output are skipped: resumable)
+    conversations in any format prepare reads (bad rows counted by reason; ids already in the output skipped: resumable)
       -> ray.data.from_items(one row per conversation)
       -> .map_batches(RegenerateActor) actor pool    one actor per target GPU (a custom resource on CPU
                                                      machines), batched greedy generation with a KV cache
@@ -44,26 +44,15 @@ class RegenerateActor:
 
 
 def read_conversations(path: str) -> tuple[list[dict], Counter]:
-    """The rows of a conversations .jsonl that parse as objects with an id (or get the line number as one);
-    malformed lines are counted, not fatal."""
-    src = Path(path)
-    if not src.is_file():
-        raise UserError(f"{src}: conversations file does not exist (config key 'data.input')")
-    rows, counts = [], Counter()
-    with open(src, encoding="utf-8", errors="strict") as f:
-        for lineno, line in enumerate(f):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except (json.JSONDecodeError, UnicodeDecodeError):
-                counts["malformed line"] += 1
-                continue
-            if not isinstance(row, dict):
-                counts["malformed line"] += 1
-                continue
-            rows.append({**row, "id": str(row.get("id", f"line-{lineno}"))})
-    return rows, counts
+    """The conversations of the input (any format `prepare` reads: ShareGPT, OpenAI messages, this
+    project's rows; jsonl, json, parquet, a directory or a glob), normalised to this project's rows with
+    their conversation id (the running row index) as "id"; bad rows are counted by reason, not fatal."""
+    from dflash_ray.data.formats import EMPTY_LINE, BadRows, iter_conversations
+
+    report = BadRows()
+    rows = [{"id": str(c.id), "conversations": c.messages, **({"tools": c.tools} if c.tools else {})}
+            for c in iter_conversations(path, on_bad_row="skip", report=report)]
+    return rows, Counter({f"bad row: {reason}": n for reason, n in report.counts.items() if reason != EMPTY_LINE})
 
 
 def regenerate(input_path: str, output_path: str, *, target_dir: str, tokenizer_dir: str, cluster,

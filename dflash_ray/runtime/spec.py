@@ -41,6 +41,7 @@ class RunSpec:
     heldout: str | None = None      # held-out prompts (.jsonl) for tau after training; None: not measured
     heldout_max_new_tokens: int = 64
     namespace: str = "dflash"
+    init_from: str | None = None    # an exported drafter the run starts from at step 0 (checked against the run)
 
     @property
     def batches_per_step(self) -> int:
@@ -94,7 +95,7 @@ def resolve_spec(cfg, log=print) -> RunSpec:
                 f"vocab {vocab}) -> {target_path}")
         if demo and int(cfg.data.synthetic.target_steps) > 0:
             _train_demo_target(cfg, tok, target_path, log)
-    if demo and bool(cfg.data.synthetic.regenerate) and not Path(cfg.data.shards).exists():
+    if demo and bool(cfg.data.synthetic.regenerate) and not Path(str(cfg.data.shards)).exists():
         cfg.data.input = _regenerate_demo(cfg, run_dir, target_path, log)
     ensure_shards(cfg, log=log)
     heldout = None
@@ -129,14 +130,49 @@ def resolve_spec(cfg, log=print) -> RunSpec:
                             num_anchors=int(m.num_anchors), target_layer_ids=tuple(layer_ids),
                             loss_gamma=None if m.loss_gamma is None else float(m.loss_gamma),
                             mask_token_id=int(mask_id),
-                            anchors_per_batch=None if m.anchors_per_batch is None else int(m.anchors_per_batch))
+                            anchors_per_batch=None if m.anchors_per_batch is None else int(m.anchors_per_batch),
+                            intermediate_size=_opt_int(m.drafter_intermediate_size),
+                            num_attention_heads=_opt_int(m.drafter_num_attention_heads),
+                            num_key_value_heads=_opt_int(m.drafter_num_key_value_heads))
+    init_from = _check_drafter_shape(drafter, tcfg, m.init_from)
     return RunSpec(
         name=str(cfg.run.name), run_dir=str(run_dir), storage_path=storage, seed=int(cfg.seed),
-        shards=str(Path(cfg.data.shards).resolve()), tokenizer=str(cfg.data.tokenizer), target_path=str(target_path),
+        shards=str(cfg.data.shards) if "://" in str(cfg.data.shards) else str(Path(cfg.data.shards).resolve()),
+        tokenizer=str(cfg.data.tokenizer), target_path=str(target_path),
         vocab_size=target_vocab, pad_token_id=int(tok.pad_token_id if tok.pad_token_id is not None else 0),
         plan=PlanSpec.from_config(cfg), drafter=drafter, train=train, cluster=OmegaConf.to_object(cfg.cluster),
         coordinator=coordinator_name(str(cfg.run.name)), heldout=heldout,
-        heldout_max_new_tokens=int(cfg.eval.max_new_tokens))
+        heldout_max_new_tokens=int(cfg.eval.max_new_tokens), init_from=init_from)
+
+
+def _opt_int(value):
+    return None if value is None else int(value)
+
+
+def _check_drafter_shape(drafter: DrafterConfig, tcfg, init_from) -> str | None:
+    """The drafter knobs against the target, and model.init_from against the run's drafter, on the driver
+    (one line naming the key, before any worker starts). Returns init_from made absolute."""
+    from dflash_ray.model.drafter import drafter_config
+    from dflash_ray.model.export import export_mismatch
+
+    heads = drafter.num_attention_heads or int(tcfg.num_attention_heads)
+    kv = drafter.num_key_value_heads or int(getattr(tcfg, "num_key_value_heads", None) or tcfg.num_attention_heads)
+    if heads % kv:
+        raise UserError(f"config key 'model.drafter_num_key_value_heads': the drafter's {heads} attention heads "
+                        f"are not a multiple of its {kv} key/value heads")
+    if drafter.intermediate_size is None and not getattr(tcfg, "intermediate_size", None):
+        raise UserError("config key 'model.drafter_intermediate_size' must be set: the target's config has no "
+                        "intermediate_size")
+    if init_from is None:
+        return None
+    init_from = str(Path(init_from).resolve()) if "://" not in str(init_from) else str(init_from)
+    config = drafter_config(tcfg, drafter.num_draft_layers, drafter.block_size, drafter.mask_token_id,
+                            drafter.target_layer_ids, drafter.intermediate_size, drafter.num_attention_heads,
+                            drafter.num_key_value_heads)
+    reason = export_mismatch(init_from, config)
+    if reason:
+        raise UserError(f"config key 'model.init_from': {reason}")
+    return init_from
 
 
 def _train_demo_target(cfg, tok, target_path, log) -> None:

@@ -61,7 +61,8 @@ class LossModule(nn.Module):
 def build_run_drafter(run_spec, device):
     """The run's drafter on `device`: the target's frozen embedding/head, the run's drafter config,
     initialised under the run's seed, on `device` itself (so every rank starts from the same weights; a
-    drafter built on another device type, e.g. the CPU's for a CUDA run, has other initial weights)."""
+    drafter built on another device type, e.g. the CPU's for a CUDA run, has other initial weights), then
+    overwritten by the export `run_spec.init_from` when set (a warm start)."""
     from transformers import AutoConfig
 
     from dflash_ray.model.drafter import build_drafter
@@ -71,6 +72,15 @@ def build_run_drafter(run_spec, device):
     target_config = AutoConfig.from_pretrained(run_spec.target_path)
     drafter = build_drafter(run_spec.drafter, target_config, embed, head, seed=run_spec.seed, device=device)
     drafter.checkpoint_layers = bool(run_spec.train.checkpoint_layers)
+    init_from = getattr(run_spec, "init_from", None)  # getattr: hand-made specs (tests) may lack it
+    if init_from:  # warm start: step 0's weights; a resume then loads its checkpoint over them as before
+        from dflash_ray.errors import UserError
+        from dflash_ray.model.export import init_from_export
+
+        try:
+            init_from_export(drafter, init_from)
+        except ValueError as e:
+            raise UserError(f"config key 'model.init_from': {e}") from e
     return drafter
 
 
