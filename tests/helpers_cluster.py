@@ -121,11 +121,16 @@ def submit_job_to_fresh_cluster(tmp_path: Path, job_args: list[str]) -> dict:
             assert head.poll() is None, (tmp_path / "head.log").read_text()[-3000:]
             assert time.time() < deadline, "the head node's dashboard did not come up"
             time.sleep(1)
-        submit = subprocess.run(
-            [RAY, "job", "submit", "--address", address, "--no-wait", "--submission-id", sid,
-             "--runtime-env", "jobs/runtime_env.yaml", "--",
-             sys.executable, "-m", "dflash_ray.train", *job_args],
-            cwd=REPO, env=job_env, capture_output=True, text=True, timeout=120)
+        for attempt in range(10):
+            submit = subprocess.run(
+                [RAY, "job", "submit", "--address", address, "--no-wait", "--submission-id", sid,
+                 "--runtime-env", "jobs/runtime_env.yaml", "--",
+                 sys.executable, "-m", "dflash_ray.train", *job_args],
+                cwd=REPO, env=job_env, capture_output=True, text=True, timeout=120)
+            # the dashboard can answer before its job agent is up (a loaded machine): Ray says to retry
+            if submit.returncode == 0 or "No available agent to submit job" not in submit.stderr:
+                break
+            time.sleep(3)
         assert submit.returncode == 0, submit.stdout + submit.stderr
         deadline, finished_at = time.time() + 420, None
         while time.time() < deadline:

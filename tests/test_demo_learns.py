@@ -49,8 +49,8 @@ def test_the_drafter_trained_on_the_targets_own_answers(demo):
     regen = {r["id"]: r for r in map(json.loads, (run / "regenerated.jsonl").read_text().splitlines())}
     assert len(regen) == len(corpus)
     changed = 0
-    for row in corpus:
-        new = regen[row["id"]]["conversations"]
+    for i, row in enumerate(corpus):  # regenerate's ids: each conversation's row in its input
+        new = regen[str(i)]["conversations"]
         assert [m["role"] for m in new] == [m["role"] for m in row["conversations"]]
         assert [m["content"] for m in new if m["role"] == "user"] == \
                [m["content"] for m in row["conversations"] if m["role"] == "user"]
