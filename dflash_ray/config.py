@@ -110,6 +110,7 @@ class TrainConfig:
     checkpoint_upload: str = "async"               # async: Ray Train uploads while training goes on; sync: waits
     num_to_keep: int = 2
     max_failures: int = 3
+    max_nonfinite_steps: int = 10    # stop after this many NaN/Inf steps in a row (skipped, counted; 0: never stop)
     storage_path: Optional[str] = None
     tensorboard: bool = False
     heldout_every: int = 0           # held-out tau every N steps during training (0: only after training)
@@ -169,7 +170,7 @@ MINIMUM = {"model.anchors_per_batch": 1, "cluster.target_gpus": 0.01, "cluster.d
            "cluster.target_workers": 1, "cluster.drafter_workers": 1, "cluster.max_batches_in_flight": 1,
            "train.epochs": 1, "train.grad_accum": 1, "train.checkpoint_every": 0,
            "train.checkpoint_every_minutes": 0.0, "train.num_to_keep": 1,
-           "train.max_failures": 0, "train.heldout_every": 0, "train.lr": 0.0, "train.warmup_ratio": 0.0, "eval.max_new_tokens": 1,
+           "train.max_failures": 0, "train.max_nonfinite_steps": 0, "train.heldout_every": 0, "train.lr": 0.0, "train.warmup_ratio": 0.0, "eval.max_new_tokens": 1,
            "regenerate.max_new_tokens": 1, "regenerate.batch_size": 1, "data.synthetic.target_steps": 0,
            "data.synthetic.heldout_prompts": 0}
 

@@ -234,3 +234,92 @@ def write_table_atomic(table: pa.Table, path: str | os.PathLike) -> None:
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+# ----------------------------------------------------------------------------- cheap checks before a run
+def check_token_range(directory, vocab_size: int, hint: str = "") -> int:
+    """Every token id of every shard in [0, vocab_size), from the input_ids statistics in the parquet
+    footers (every pyarrow/Spark writer writes them by default): no data is read unless a row group has
+    none (then that row group's input_ids are read), or is out of range (then it is read to name the row).
+    Returns the largest token id. `hint` is appended to the error line."""
+    top = -1
+    for path in list_shards(directory):
+        pf = _open(path)
+        _check_schema(path, pf.schema_arrow, ["input_ids"])
+        md = pf.metadata
+        leaf = next(i for i in range(md.num_columns) if md.schema.column(i).path.split(".")[0] == "input_ids")
+        row0 = 0
+        for rg in range(md.num_row_groups):
+            stats = md.row_group(rg).column(leaf).statistics
+            ids = None
+            if stats is not None and stats.has_min_max:
+                lo, hi = int(stats.min), int(stats.max)
+            else:
+                ids = _row_group_ids(pf, path, rg)
+                flat = pc.list_flatten(ids).to_numpy(zero_copy_only=False)
+                lo, hi = (int(flat.min()), int(flat.max())) if flat.size else (0, -1)
+            if lo < 0 or hi >= vocab_size:
+                ids = ids if ids is not None else _row_group_ids(pf, path, rg)
+                n = pc.list_value_length(ids).to_numpy(zero_copy_only=False)
+                flat = pc.list_flatten(ids).to_numpy(zero_copy_only=False).astype(np.int64)
+                bad = _first_row((flat < 0) | (flat >= vocab_size))
+                row = row0 + int(np.repeat(np.arange(len(n)), n)[bad])
+                what = "negative token id" if flat[bad] < 0 else "token id"
+                raise UserError(f"{path}: row {row}: {what} {flat[bad]} is out of vocabulary (size {vocab_size}){hint}")
+            top = max(top, hi)
+            row0 += md.row_group(rg).num_rows
+    return top
+
+
+def _row_group_ids(pf: pq.ParquetFile, path, rg: int):
+    try:
+        return pf.read_row_group(rg, columns=["input_ids"]).column("input_ids").combine_chunks()
+    except Exception as e:
+        raise UserError(f"{path}: unreadable data ({str(e).splitlines()[0]})") from e
+
+
+def shards_fingerprint(directory) -> dict[str, dict]:
+    """Per shard file (by name): its size in bytes, its rows and a hash of its parquet footer (schema, row
+    groups, column chunk offsets, sizes and statistics). Reads only the footers: one small read per file.
+    A rewrite that changes any row's lengths or ids changes it; the same data written the same way does not."""
+    import hashlib
+
+    out = {}
+    for path in list_shards(directory):
+        fs, where = (path.fs, path.path) if isinstance(path, ShardFile) and path.fs is not None \
+            else filesystem_of(str(path))
+        try:
+            with fs.open_input_file(where) as f:
+                size = f.size()
+                f.seek(max(size - 8, 0))
+                tail = f.read(8)
+                n = int.from_bytes(tail[:4], "little") if len(tail) == 8 else -1
+                if tail[4:] != b"PAR1" or not 0 < n <= size - 12:
+                    raise UserError(f"{path}: not a readable parquet file (no parquet footer)")
+                f.seek(size - 8 - n)
+                footer = f.read(n)
+        except OSError as e:
+            raise UserError(f"{path}: cannot read ({str(e).splitlines()[0]})") from e
+        rows = _open(path).metadata.num_rows
+        name = str(path).replace("\\", "/").rsplit("/", 1)[-1]
+        out[name] = {"bytes": int(size), "rows": int(rows), "footer": hashlib.blake2b(footer, digest_size=16).hexdigest()}
+    return out
+
+
+def fingerprint_change(old: dict, new: dict) -> tuple[str, str, int] | None:
+    """The first difference between two `shards_fingerprint`s: (file name, what happened, how many files
+    differ in all); None when they are equal."""
+    removed = sorted(set(old) - set(new))
+    added = sorted(set(new) - set(old))
+    changed = sorted(k for k in set(old) & set(new) if old[k] != new[k])
+    total = len(removed) + len(added) + len(changed)
+    if removed:
+        return removed[0], "removed", total
+    if changed:
+        a, b = old[changed[0]], new[changed[0]]
+        detail = (f"{a['bytes']} -> {b['bytes']} bytes, {a['rows']} -> {b['rows']} rows"
+                  if (a["bytes"], a["rows"]) != (b["bytes"], b["rows"]) else "same size, other contents")
+        return changed[0], f"changed ({detail})", total
+    if added:
+        return added[0], "added", total
+    return None

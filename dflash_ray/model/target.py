@@ -229,6 +229,29 @@ def _read_config(path: str) -> dict:
     return config
 
 
+def missing_weights(path: str) -> str | None:
+    """Why the target directory `path` has no weights this project can read, in one phrase (None when it
+    has them): no model.safetensors nor index, or an index naming a missing file. Only file names are
+    looked at (no weights read)."""
+    root = Path(path)
+    index = root / "model.safetensors.index.json"
+    if index.exists():
+        try:
+            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return f"{index.name} is not a safetensors index (JSON with a weight_map)"
+        missing = [n for n in names if not (root / n).is_file()]
+        if missing:
+            return f"{index.name} names {missing[0]}, which is missing" + (
+                f" ({len(missing)} of {len(names)} weight files missing)" if len(missing) > 1 else "")
+        return None
+    if (root / "model.safetensors").is_file():
+        return None
+    other = sorted(p.name for p in root.glob("*.bin")) if root.is_dir() else []
+    return ("no model.safetensors or model.safetensors.index.json (" +
+            (f"only {other[0]}: convert the checkpoint to safetensors" if other else "config.json but no weights") + ")")
+
+
 def _weight_files(path: str) -> dict[str, str]:
     """Map tensor name -> safetensors file, for single-file and sharded checkpoints."""
     root = Path(path)

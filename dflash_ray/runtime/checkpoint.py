@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import pickle
 import random
 import shutil
@@ -63,14 +64,18 @@ def write_rank_files(out_dir: Path, rank: int) -> None:
 
 
 def write_checkpoint(out_dir: Path, *, drafter, optimizer, scheduler, cursor: Cursor, world_size: int,
-                     extra: dict | None = None) -> None:
-    """Rank 0's files (the other ranks call write_rank_files only)."""
+                     extra: dict | None = None, fault_pause=None) -> None:
+    """Rank 0's files (the other ranks call write_rank_files only). state.json, with the manifest, is
+    written last. `fault_pause()`: test-only, called once the weights are written (a half-written
+    checkpoint to kill a process in)."""
     from safetensors.torch import save_file
 
     out_dir.mkdir(parents=True, exist_ok=True)
     module = getattr(drafter, "module", drafter)
     state = {k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()}
     save_file(state, str(out_dir / WEIGHTS), metadata={"format": "pt"})
+    if fault_pause is not None:
+        fault_pause()
     torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, out_dir / OPTIM)
     write_rank_files(out_dir, 0)
     files = {name: (out_dir / name).stat().st_size for name in (WEIGHTS, OPTIM)}
@@ -188,7 +193,7 @@ def dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
 
 
-def _timed_upload(on_uploaded):
+def _timed_upload(on_uploaded, fault_pause=None):
     """A `checkpoint_upload_fn` doing what Ray Train does by default (`StorageContext.
     persist_current_checkpoint`, ray/train/v2/_internal/execution/context.py `_upload_checkpoint`), timed:
     `on_uploaded(seconds)` runs after the copy, before Ray Train hands the report on (so before the
@@ -205,15 +210,47 @@ def _timed_upload(on_uploaded):
     def upload(checkpoint, checkpoint_dir_name):
         t0 = time.perf_counter()
         persisted = persist(checkpoint, checkpoint_dir_name)
+        if fault_pause is not None:  # test-only: the files are in storage, the checkpoint is not registered
+            fault_pause()
         on_uploaded(time.perf_counter() - t0)
         return persisted
 
     return upload
 
 
+def _local_prefix() -> str:
+    # the writer's pid in the name: a worker killed while writing (or before Ray's async upload deleted
+    # it) leaves its directory behind, and `remove_orphaned_local_checkpoints` knows it is nobody's
+    return f"dflash-ckpt-{os.getpid()}-"
+
+
+def remove_orphaned_local_checkpoints(tmp_dir: str | None = None) -> list[str]:
+    """Delete this node's local checkpoint directories whose writer process is gone (killed mid-write or
+    mid-upload: a Qwen3-8B drafter's state is ~12.6 GB, left in the temp dir at every such kill). Called
+    by every worker as it starts. Returns the directories removed."""
+    import re
+
+    removed = []
+    root = Path(tmp_dir or tempfile.gettempdir())
+    for d in root.glob("dflash-ckpt-*-*"):
+        m = re.fullmatch(r"dflash-ckpt-(\d+)-.+", d.name)
+        if not m or not d.is_dir():
+            continue
+        try:
+            os.kill(int(m.group(1)), 0)
+            continue                      # alive (another run on this node is writing it)
+        except PermissionError:
+            continue                      # alive, another user's
+        except ProcessLookupError:
+            pass
+        shutil.rmtree(d, ignore_errors=True)
+        removed.append(str(d))
+    return removed
+
+
 def save_checkpoint(*, rank: int, world_size: int, drafter, optimizer, scheduler, cursor: Cursor, metrics: dict,
                     before_register=None, on_uploaded=None, upload: str = "sync",
-                    extra: dict | None = None) -> dict:
+                    extra: dict | None = None, fault_pause=None, fault_pause_where: str = "write") -> dict:
     """Every rank calls this at the same step (`ray.train.report` is a barrier). Rank 0 writes the state,
     the others their RNG; `before_register(cost)` runs on rank 0 after its files are written and before
     the checkpoint is handed to Ray Train (e.g. wait for the step's ledger lines), with
@@ -229,6 +266,9 @@ def save_checkpoint(*, rank: int, world_size: int, drafter, optimizer, scheduler
     the previous checkpoint); the last upload is waited for when the train function returns. The ledger
     lines written by `before_register` are on disk before `report` is even called, so before registration.
 
+    `fault_pause()` (test-only, tests/reliability/): rank 0 calls it halfway through writing its files
+    (fault_pause_where="write") or after uploading them, before the checkpoint is registered ("upload").
+
     Returns rank 0's cost (write seconds, bytes); {} on other ranks."""
     import ray.train
     from ray.train import Checkpoint
@@ -240,16 +280,18 @@ def save_checkpoint(*, rank: int, world_size: int, drafter, optimizer, scheduler
         if rank == 0:
             t0 = time.perf_counter()
             write_checkpoint(tmp, drafter=drafter, optimizer=optimizer, scheduler=scheduler, cursor=cursor,
-                             world_size=world_size, extra=extra)
+                             world_size=world_size, extra=extra,
+                             fault_pause=fault_pause if fault_pause_where == "write" else None)
             cost.update(checkpoint_write_seconds=time.perf_counter() - t0, checkpoint_bytes=dir_bytes(tmp))
             if before_register is not None:
                 before_register(dict(cost))
         else:
             write_rank_files(tmp, rank)
 
-    upload_fn = _timed_upload(on_uploaded) if (rank == 0 and on_uploaded is not None) else None
+    upload_fn = (_timed_upload(on_uploaded, fault_pause if fault_pause_where == "upload" else None)
+                 if (rank == 0 and on_uploaded is not None) else None)
     if upload == "sync":
-        with tempfile.TemporaryDirectory(prefix="dflash-ckpt-") as tmp:
+        with tempfile.TemporaryDirectory(prefix=_local_prefix()) as tmp:
             write(Path(tmp))
             ray.train.report(report_metrics, checkpoint=Checkpoint.from_directory(tmp),
                              checkpoint_upload_fn=upload_fn)
@@ -259,7 +301,7 @@ def save_checkpoint(*, rank: int, world_size: int, drafter, optimizer, scheduler
     from ray.train import CheckpointUploadMode
 
     # not a TemporaryDirectory: Ray Train reads it after `report` returns and deletes it after the upload
-    tmp = tempfile.mkdtemp(prefix="dflash-ckpt-")
+    tmp = tempfile.mkdtemp(prefix=_local_prefix())
     try:
         write(Path(tmp))
         ray.train.report(report_metrics, checkpoint=Checkpoint.from_directory(tmp),

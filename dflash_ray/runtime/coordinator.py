@@ -87,6 +87,7 @@ class RunCoordinator:
         self.pending_metrics: dict = {}   # an upload's seconds, for the next metrics line
         self.started = time.time()
         self.timeline: dict[str, float] = {}   # first time each milestone happened (seconds since start)
+        self.stopped: dict | None = None      # why the workers stopped early (non-finite steps), for the driver
         self.tb = None
         if tensorboard:
             try:
@@ -179,6 +180,7 @@ class RunCoordinator:
     def begin_attempt(self, step: int, world_size: int) -> dict:
         """Rank 0 of a (re)started worker group, resuming after `step` committed steps."""
         self.attempts += 1
+        self.stopped = None   # a stop that a later failure overtook no longer holds
         dropped = rollback(self.dir / LEDGER, step)
         self.rolled_back_steps += dropped
         if self.attempts > 1:
@@ -302,6 +304,16 @@ class RunCoordinator:
                 "total_upload_seconds": sum(up), "max_upload_seconds": max(up, default=0.0),
                 "total_bytes": int(sum(nbytes)), "max_bytes": int(max(nbytes, default=0))}
 
+    def stop_run(self, why: dict) -> None:
+        """Rank 0: the workers stop before the feed's end (e.g. train.max_nonfinite_steps non-finite steps in
+        a row); the driver turns `why` into its error line once Ray Train returns."""
+        self.stopped = dict(why)
+        self._event("run_stopped", **why)
+
+    def fault_injected(self, kind: str, **info) -> None:
+        """Test-only (DFLASH_TEST_FAULTS): a worker is about to act out a fault; the test waits for this."""
+        self._event("test_fault", fault=kind, **info)
+
     # ------------------------------------------------------------ reporting
     def failures_survived(self) -> int:
         return self.trainer_restarts + self.target_restarts
@@ -345,7 +357,7 @@ class RunCoordinator:
                 "attempts": self.attempts, "max_batches_in_flight": self.max_in_flight, "window": self.window,
                 "targets": targets, "checkpoints": self.checkpoints, "checkpoint_cost": self.checkpoint_cost(),
                 "last": self.last,
-                "timeline": self.timeline, "evals": self.evals}
+                "timeline": self.timeline, "evals": self.evals, "stopped": self.stopped}
 
     def close(self) -> None:
         if self.tb is not None:

@@ -4,10 +4,17 @@ Each optimizer step consumes W = batches_per_step consecutive feed rows; rank r 
 s*W + a*workers + r (feed.rank_rows) and checks every row it receives is the one it expects. The step's
 math is `step.train_step` (no Ray); this file is the glue: the worker's data shard, the coordinator
 (ledger, metrics, flight window), DDP and Ray Train checkpoints.
+
+A step whose loss or gradient is NaN/Inf trains nothing (`step.train_step` skips the update on every rank)
+but its batches count as consumed: its ledger line says `"skipped": "nonfinite"` and the plan's
+exactly-once accounting goes on (retrying the batch would give the same NaN: same features, same anchors).
+After `train.max_nonfinite_steps` such steps in a row the workers stop together, without a checkpoint (the
+last one holds the weights of the last good step), and the driver raises one line (trainer.fit).
 """
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import queue
 import threading
@@ -61,9 +68,44 @@ def next_row(stream, expected_index: int, gen: int, rank: int) -> TrainRow:
 
 
 def step_record(result: StepResult, step: int) -> dict:
-    """The ledger line of a committed step."""
-    return {"epoch": result.epoch, "step": step, "positions": result.positions, "buckets": result.buckets,
-            "tokens": result.batch_tokens}
+    """The ledger line of a committed step (a skipped one is marked: its batches trained nothing)."""
+    record = {"epoch": result.epoch, "step": step, "positions": result.positions, "buckets": result.buckets,
+              "tokens": result.batch_tokens}
+    if result.skipped_nonfinite:
+        record["skipped"] = "nonfinite"
+    return record
+
+
+# ---------------------------------------------------------------- test-only fault injection
+TEST_FAULTS_ENV = "DFLASH_TEST_FAULTS"
+
+
+def faults_for_tests() -> dict:
+    """Faults the reliability tests inject (tests/reliability/), as JSON in $DFLASH_TEST_FAULTS; read on
+    the driver (trainer.fit) and handed to the workers in the loop's config, since a Ray worker does not
+    see the driver's later environment. Empty in any real run. Keys:
+
+      nonfinite         {"steps": [s, ...], "rank": r}: rank r's batches of those steps get a NaN context
+                        feature (as a broken target forward would deliver)
+      checkpoint_pause  {"step": s, "seconds": t, "where": "write" | "upload", "attempts": [a, ...]}: rank 0
+                        stops for t seconds inside the checkpoint of step s, after drafter.safetensors is
+                        written ("write") or after its files are in storage, before the checkpoint is
+                        registered ("upload"), having logged a `test_fault` event (with its pid) first
+    """
+    raw = os.environ.get(TEST_FAULTS_ENV)
+    return json.loads(raw) if raw else {}
+
+
+def _poison(row: TrainRow) -> TrainRow:
+    """The row with a NaN in its first context feature (any encoding)."""
+    import dataclasses
+
+    from dflash_ray.runtime.rows import decode_features, encode_features
+
+    context = decode_features(row.context, row.context_dtype).clone()
+    context.view(-1)[0] = float("nan")
+    encoded, dtype = encode_features(context)
+    return dataclasses.replace(row, context=encoded, context_dtype=dtype)
 
 
 def rank0_value(value: float, device: torch.device, world_size: int) -> float:
@@ -84,7 +126,8 @@ def train_loop_per_worker(config: dict) -> None:
     import ray.train.torch
     import torch.distributed as dist
 
-    from dflash_ray.runtime.checkpoint import checkpoint_due, load_checkpoint, save_checkpoint
+    from dflash_ray.runtime.checkpoint import (checkpoint_due, load_checkpoint, read_state,
+                                               remove_orphaned_local_checkpoints, save_checkpoint)
 
     run_spec = config["spec"]
     ctx = ray.train.get_context()
@@ -99,6 +142,7 @@ def train_loop_per_worker(config: dict) -> None:
     else:
         torch.set_num_threads(int(config.get("threads", 1)))
     grad_accum, per_step = run_spec.train.grad_accum, run_spec.batches_per_step
+    remove_orphaned_local_checkpoints()  # left by a worker of this node killed while checkpointing
     shard = ray.train.get_dataset_shard("train")
     stream = Prefetcher(shard.iter_batches(batch_size=1, batch_format="numpy", prefetch_batches=1), size=grad_accum)
     coord = ray.get_actor(run_spec.coordinator, namespace=run_spec.namespace)
@@ -123,10 +167,12 @@ def train_loop_per_worker(config: dict) -> None:
     opt, sched = make_optimizer(run_spec.train, drafter, feed["schedule_steps"])
 
     cursor = Cursor()
+    nonfinite_streak = 0   # non-finite steps in a row up to the cursor (kept in the checkpoint)
     ckpt = ray.train.get_checkpoint()
     if ckpt is not None:
         with ckpt.as_directory() as d:
             cursor = load_checkpoint(Path(d), drafter=drafter, optimizer=opt, scheduler=sched, rank=rank)
+            nonfinite_streak = int(read_state(Path(d)).get("nonfinite_streak", 0))
     start = Cursor.from_dict(feed["cursor"])
     if cursor != start:
         raise RuntimeError(f"the data stream starts at {start} but the checkpoint resumes at {cursor}: "
@@ -142,10 +188,16 @@ def train_loop_per_worker(config: dict) -> None:
     pending_commits = []  # rank 0's ledger writes since the last checkpoint
     train = run_spec.train
     upload = train.checkpoint_upload
+    max_nonfinite = int(getattr(train, "max_nonfinite_steps", 10) or 0)  # 0: skip and count, never stop
+    faults = config.get("test_faults") or {}
+    poison = faults.get("nonfinite") or {}
+    pause = faults.get("checkpoint_pause") or {}
     t_step = t_checkpoint = time.perf_counter()  # rank 0's clock decides the time-based interval
     for s in range(steps):
         t_wait = time.perf_counter()
         rows = [next_row(stream, idx, gen, rank) for idx in rank_rows(s, per_step, world_size, rank)]
+        if cursor.step + 1 in poison.get("steps", ()) and rank == poison.get("rank", 0):
+            rows = [_poison(r) for r in rows]   # test-only (DFLASH_TEST_FAULTS)
         t_compute = time.perf_counter()
         result = train_step(model, drafter, opt, sched, rows, rank=rank, workers=world_size,
                             batches_per_step=per_step, seed=run_spec.seed, grad_clip=run_spec.train.grad_clip,
@@ -154,6 +206,9 @@ def train_loop_per_worker(config: dict) -> None:
         step = cursor.step + 1
         epoch_batches = rows[0].epoch_batches
         cursor = cursor_after(result.epoch, result.positions, epoch_batches, step)
+        # the same on every rank (train_step decides from all-reduced values): they stop together
+        nonfinite_streak = nonfinite_streak + 1 if result.skipped_nonfinite else 0
+        stop = bool(max_nonfinite) and nonfinite_streak >= max_nonfinite
         commit = None
         if rank == 0:
             real = [p for p in result.positions if p >= 0]
@@ -165,7 +220,8 @@ def train_loop_per_worker(config: dict) -> None:
                        "train_tau_if_slots_independent": result.train_tau_if_slots_independent,
                        "epoch_progress": (max(real) + 1) / epoch_batches if real else 1.0,
                        "total_steps": total_steps, "schedule_steps": feed["schedule_steps"],
-                       "batches_per_step": per_step}
+                       "batches_per_step": per_step, "skipped_nonfinite": int(result.skipped_nonfinite),
+                       "nonfinite_streak": nonfinite_streak}
             commit = (step_record(result, step), metrics)
             coord.consumed_upto.remote(gen, (s + 1) * per_step)
             every = run_spec.train.heldout_every
@@ -174,6 +230,17 @@ def train_loop_per_worker(config: dict) -> None:
                 weights = ray.put({k: v.detach().cpu() for k, v in drafter.state_dict().items()})
                 coord.evaluate_heldout.remote(run_spec, step, [weights])
         t_step = now
+        if stop:
+            # no checkpoint: the last one holds the weights of the last good step (skipped steps change
+            # none), and a rerun retries these batches from there
+            if rank == 0:
+                pending_commits.append(coord.commit_step.remote(gen, *commit))
+                ray.get(pending_commits)
+                ray.get(coord.stop_run.remote({
+                    "reason": "nonfinite", "step": step, "streak": nonfinite_streak,
+                    "first_step": step - nonfinite_streak + 1, "limit": max_nonfinite,
+                    "loss": result.loss, "grad_norm": result.grad_norm}))
+            return
         # every rank decides from rank 0's clock (a broadcast; only when the time-based interval is on)
         since = time.perf_counter() - t_checkpoint
         if train.checkpoint_every_minutes:
@@ -200,10 +267,18 @@ def train_loop_per_worker(config: dict) -> None:
             # is registered (and before the run ends: the last async upload is flushed before that)
             ray.get(coord.checkpoint_uploaded.remote(attempt, step, seconds))
 
+        fault_pause = None
+        if rank == 0 and pause.get("step") == step and attempt in pause.get("attempts", [attempt]):
+            def fault_pause(step=step):  # test-only (DFLASH_TEST_FAULTS): a window to kill a process in
+                ray.get(coord.fault_injected.remote("checkpoint_pause", step=step, where=pause.get("where", "write"),
+                                                pid=os.getpid(), attempt=attempt))
+                time.sleep(float(pause.get("seconds", 60)))
+
         cost = save_checkpoint(rank=rank, world_size=world_size, drafter=drafter, optimizer=opt, scheduler=sched,
                                cursor=cursor, metrics={"step": step, "loss": result.loss},
                                before_register=ledger_on_disk, on_uploaded=uploaded, upload=upload,
-                               extra={"run": run_spec.name})
+                               extra={"run": run_spec.name, "nonfinite_streak": nonfinite_streak},
+                               fault_pause=fault_pause, fault_pause_where=pause.get("where", "write"))
         t_checkpoint = time.perf_counter()
         if rank == 0:
             # seconds: what training waited (write, ledger, barrier, and the upload unless it is async)

@@ -78,7 +78,9 @@ def resolve_spec(cfg, log=print) -> RunSpec:
     from transformers import AutoConfig, AutoTokenizer
 
     from dflash_ray.data.default import HELDOUT, ensure_corpus, ensure_shards, write_heldout
-    from dflash_ray.model.target import build_synthetic_target, default_mask_token_id, default_target_layer_ids
+    from dflash_ray.data.shards import check_token_range
+    from dflash_ray.model.target import (build_synthetic_target, default_mask_token_id, default_target_layer_ids,
+                                         missing_weights)
 
     run_dir = Path(cfg.run.dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -107,20 +109,31 @@ def resolve_spec(cfg, log=print) -> RunSpec:
     if not (Path(target_path) / "config.json").exists():
         raise UserError(f"{target_path}: not a Hugging Face model directory (no config.json) "
                         f"(config key 'model.target_path')")
-    tcfg = AutoConfig.from_pretrained(str(target_path))
-    tcfg = getattr(tcfg, "text_config", None) or tcfg
-    n_layers = int(tcfg.num_hidden_layers)
+    if "://" not in str(target_path):
+        reason = missing_weights(str(target_path))
+        if reason:
+            raise UserError(f"{target_path}: {reason} (config key 'model.target_path')")
+    try:
+        tcfg = AutoConfig.from_pretrained(str(target_path))
+        tcfg = getattr(tcfg, "text_config", None) or tcfg
+        n_layers, target_vocab = int(tcfg.num_hidden_layers), int(tcfg.vocab_size)
+    except (ValueError, TypeError, AttributeError, OSError) as e:  # no model_type, a field missing, bad JSON
+        raise UserError(f"{target_path}/config.json: not a usable model config ({str(e).strip().splitlines()[0]}) "
+                        f"(config key 'model.target_path')") from e
     if m.target_layer_ids is not None:
         layer_ids = [int(i) for i in m.target_layer_ids]
-        if min(layer_ids) < 0 or max(layer_ids) >= n_layers:
+        if not layer_ids or min(layer_ids) < 0 or max(layer_ids) >= n_layers:
             raise UserError(f"config key 'model.target_layer_ids': {layer_ids} out of range for a "
-                            f"{n_layers}-layer target")
+                            f"{n_layers}-layer target (ids 0..{n_layers - 1}, at least one)")
     else:
         layer_ids = default_target_layer_ids(n_layers, int(m.num_draft_layers))
-    target_vocab = int(tcfg.vocab_size)
     if vocab > target_vocab:
         raise UserError(f"{cfg.data.tokenizer}: tokenizer has {vocab} tokens but the target's vocabulary is "
                         f"{target_vocab} (config key 'model.target_path')")
+    # shards prepared with another tokenizer: ids past the target's embedding (footer statistics only;
+    # the full per-row validation runs again when training reads the tokens)
+    check_token_range(cfg.data.shards, target_vocab,
+                      hint=f" of the target at {target_path}: were the shards prepared with another tokenizer?")
     mask_id = m.mask_token_id if m.mask_token_id is not None else default_mask_token_id(target_vocab, tok)
     train = OmegaConf.to_object(cfg.train)
     storage = train.storage_path or str(run_dir / "ray_train")
@@ -135,7 +148,7 @@ def resolve_spec(cfg, log=print) -> RunSpec:
                             num_attention_heads=_opt_int(m.drafter_num_attention_heads),
                             num_key_value_heads=_opt_int(m.drafter_num_key_value_heads))
     init_from = _check_drafter_shape(drafter, tcfg, m.init_from)
-    return RunSpec(
+    spec = RunSpec(
         name=str(cfg.run.name), run_dir=str(run_dir), storage_path=storage, seed=int(cfg.seed),
         shards=str(cfg.data.shards) if "://" in str(cfg.data.shards) else str(Path(cfg.data.shards).resolve()),
         tokenizer=str(cfg.data.tokenizer), target_path=str(target_path),
@@ -143,6 +156,60 @@ def resolve_spec(cfg, log=print) -> RunSpec:
         plan=PlanSpec.from_config(cfg), drafter=drafter, train=train, cluster=OmegaConf.to_object(cfg.cluster),
         coordinator=coordinator_name(str(cfg.run.name)), heldout=heldout,
         heldout_max_new_tokens=int(cfg.eval.max_new_tokens), init_from=init_from)
+    check_run_inputs(spec, tcfg)
+    return spec
+
+
+# the drafter fields a checkpoint's weights depend on, and the config key that changes each
+_DRAFTER_KEYS = {"hidden_size": "model.target_path", "vocab_size": "model.target_path",
+                 "head_dim": "model.target_path", "num_target_layers": "model.target_path",
+                 "target_layer_ids": "model.target_layer_ids", "num_hidden_layers": "model.num_draft_layers",
+                 "block_size": "model.block_size", "mask_token_id": "model.mask_token_id",
+                 "intermediate_size": "model.drafter_intermediate_size",
+                 "num_attention_heads": "model.drafter_num_attention_heads",
+                 "num_key_value_heads": "model.drafter_num_key_value_heads", "attention_bias": "model.target_path"}
+
+
+def check_run_inputs(spec: RunSpec, tcfg) -> None:
+    """Exactly-once resume needs the plan (a function of the shards) and the checkpoints' drafter to be
+    those of the run's first invocation. While the run has no checkpoint, record them (shard footers'
+    fingerprint, the drafter's shape) in <run_dir>/run_inputs.json; once it has one, a rerun of the same
+    run.name resumes from it, and must find the same, else one line naming the shard or key."""
+    from dflash_ray.data.shards import fingerprint_change, shards_fingerprint
+    from dflash_ray.model.drafter import drafter_config
+    from dflash_ray.model.export import _field
+    from dflash_ray.runtime.checkpoint import read_snapshot
+    from dflash_ray.runtime.ledger import RUN_INPUTS, read_run_inputs, write_run_inputs
+
+    d = spec.drafter
+    config = drafter_config(tcfg, d.num_draft_layers, d.block_size, d.mask_token_id, list(d.target_layer_ids),
+                            d.intermediate_size, d.num_attention_heads, d.num_key_value_heads)
+    now = {"shards": shards_fingerprint(spec.shards),
+           "drafter": {k: _field(config, k) for k in _DRAFTER_KEYS}, "target_path": spec.target_path}
+    recorded = read_run_inputs(spec.run_dir)
+    resuming = bool((read_snapshot(spec.experiment_dir) or {}).get("latest_checkpoint_result"))
+    if not resuming or recorded is None:  # a fresh run (or one recorded before this check existed)
+        if recorded != now:
+            write_run_inputs(spec.run_dir, now)
+        return
+    where = f"(recorded in {Path(spec.run_dir) / RUN_INPUTS} at its first run)"
+    change = fingerprint_change(recorded.get("shards") or {}, now["shards"])
+    if change:
+        name, what, total = change
+        more = f", {total - 1} more shard(s) differ" if total > 1 else ""
+        raise UserError(f"{spec.shards.rstrip('/')}/{name}: shard {what} since run '{spec.name}' started{more} "
+                        f"{where}; resuming its checkpoint with other data would not be exactly-once: restore "
+                        f"the shards, or train them under a new run.name")
+    old = recorded.get("drafter") or {}
+    diffs = [k for k in _DRAFTER_KEYS if k in old and old[k] != now["drafter"][k]]
+    if diffs:
+        k = diffs[0]
+        target = f" (target {recorded.get('target_path')} then, {spec.target_path} now)" \
+            if recorded.get("target_path") != spec.target_path else ""
+        raise UserError(f"config key '{_DRAFTER_KEYS[k]}': run '{spec.name}' has a checkpoint of a drafter with "
+                        + ", ".join(f"{j} {old[j]}" for j in diffs) + " but this config gives "
+                        + ", ".join(f"{j} {now['drafter'][j]}" for j in diffs)
+                        + f"{target} {where}: use a new run.name (model.init_from can start it from this run's export)")
 
 
 def _opt_int(value):

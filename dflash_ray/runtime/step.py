@@ -10,11 +10,18 @@ so batches weigh exactly by their supervised slots whatever their size: each mic
 its un-normalised loss_sum (times the number of workers, which DDP's gradient averaging divides away),
 then the step's stats are all-reduced once and the gradients divided by the global weight sum before
 clipping. `StepStats` is the one vector that all-reduce carries.
+
+A step whose loss or gradient is not finite (NaN or Inf) makes no update: the optimizer does not step
+(its moments stay as they were), the LR schedule still advances one step, and the result says
+`skipped_nonfinite`. Every rank takes the same decision without another collective: the loss comes from
+the all-reduced stats vector (a NaN or Inf on any rank makes the sum non-finite), the gradient norm from
+the gradients DDP has just all-reduced (the same values on every rank).
 """
 from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
@@ -146,12 +153,13 @@ class StepResult:
     train_tau: float            # measured on the step's blocks: 1 + mean leading correct slots (what greedy
                                 # verification against these labels would accept)
     train_tau_if_slots_independent: float  # 1 + sum_k prod_{j<=k} slot_accuracy_j: a proxy, kept for comparison
-    grad_norm: float            # before clipping (0 when clipping is off)
+    grad_norm: float            # of the step's gradient, before clipping
     lr: float                   # the learning rate this step used
     epoch: int
     positions: list             # plan position of each batch j (FILLER for fillers)
     buckets: list
     batch_tokens: list
+    skipped_nonfinite: bool = False  # loss or gradient NaN/Inf: no update (same decision on every rank)
 
 
 def train_step(model, drafter, optimizer, scheduler, rows: list[TrainRow], *, rank: int, workers: int,
@@ -200,11 +208,18 @@ def train_step(model, drafter, optimizer, scheduler, rows: list[TrainRow], *, ra
         for p in params:
             if p.grad is not None:
                 p.grad.div_(total.weight_sum)
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, grad_clip)) if grad_clip > 0 else 0.0
+    if grad_clip > 0:
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, grad_clip))
+    else:  # still measured: a non-finite gradient must be seen to be skipped
+        grad_norm = float(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]))
+    # identical on every rank: the all-reduced stats and the norm of the all-reduced gradients
+    finite = math.isfinite(total.loss_sum) and math.isfinite(total.weight_sum) and math.isfinite(grad_norm)
     lr = scheduler.get_last_lr()[0]
-    if total.weight_sum > 0:  # a step of fillers only (cannot happen in a feed; kept safe) moves nothing
+    if finite and total.weight_sum > 0:  # a step of fillers only (cannot happen in a feed) moves nothing
         optimizer.step()
-    scheduler.step()
+    with warnings.catch_warnings():  # torch warns when a schedule steps before its optimizer ever did
+        warnings.simplefilter("ignore", UserWarning)
+        scheduler.step()  # a skipped step still uses its place in the schedule: it stays aligned with steps
     optimizer.zero_grad(set_to_none=True)
     slot_accuracy = (total.slot_correct / np.maximum(total.slot_count, 1)).tolist()
     return StepResult(
@@ -212,4 +227,5 @@ def train_step(model, drafter, optimizer, scheduler, rows: list[TrainRow], *, ra
         slot_accuracy=slot_accuracy, train_tau=1.0 + float(total.prefix_correct.sum()) / max(total.num_blocks, 1.0),
         train_tau_if_slots_independent=expected_acceptance_length(slot_accuracy), grad_norm=grad_norm, lr=lr,
         epoch=int(total.batch_epoch.max()), positions=total.batch_position.tolist(),
-        buckets=total.batch_bucket.tolist(), batch_tokens=total.batch_tokens.tolist())
+        buckets=total.batch_bucket.tolist(), batch_tokens=total.batch_tokens.tolist(),
+        skipped_nonfinite=not finite)

@@ -2,9 +2,11 @@
 
 The ledger check takes the finished epochs from the latest checkpoint's cursor: every epoch before the
 cursor's was trained to its end, so the ledger must cover each of them exactly once (even an epoch the
-ledger lacks entirely)."""
+ledger lacks entirely). Steps skipped for a non-finite loss or gradient are counted from the ledger (the
+timeline of the weights: steps rolled back after a failure and trained again count once, as they ended)."""
 from __future__ import annotations
 
+import math
 from dataclasses import asdict
 from pathlib import Path
 
@@ -29,6 +31,8 @@ def build_summary(run_spec, plan_summary: dict, report: dict, *, started: float,
     tps = sum(int(m["tokens"]) for m in steady) / span if span > 0 else 0.0
     tokens_now = sum(int(m["tokens"]) for m in now)
     c = run_spec.cluster
+    skipped = [int(r["step"]) for r in ledger if r.get("skipped") == "nonfinite"]
+    finite_losses = [m["loss"] for m in metrics if isinstance(m.get("loss"), (int, float)) and math.isfinite(m["loss"])]
     return {
         "run": run_spec.name, "run_dir": run_spec.run_dir,
         "steps": int(metrics[-1]["step"]) if metrics else 0,
@@ -37,7 +41,8 @@ def build_summary(run_spec, plan_summary: dict, report: dict, *, started: float,
         "tokens": sum(int(m["tokens"]) for m in metrics), "tokens_per_second": tps, "wall_seconds": wall_seconds,
         "tokens_this_invocation": tokens_now,
         "end_to_end_tokens_per_second": tokens_now / wall_seconds if wall_seconds > 0 else 0.0,
-        "final_loss": metrics[-1]["loss"] if metrics else None,
+        "final_loss": finite_losses[-1] if finite_losses else None,   # of the last step that trained
+        "skipped_nonfinite": len(skipped), "skipped_nonfinite_steps": skipped[:100],
         "final_train_tau": metrics[-1].get("train_tau") if metrics else None,
         "plan": {k: plan_summary.get(k) for k in ("batches", "tokens", "padding_efficiency", "strategy", "order")},
         "batches_per_step": run_spec.batches_per_step, "drafter_workers": c.drafter_workers,

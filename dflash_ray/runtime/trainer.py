@@ -1,9 +1,18 @@
 """The TorchTrainer of a run: the Ray Data stream as its dataset, the worker loop, the scaling, storage,
-checkpoint and failure policies. `fit` trains (or resumes) and returns what the coordinator saw."""
+checkpoint and failure policies. `fit` trains (or resumes) and returns what the coordinator saw.
+
+A run that cannot go on ends here with one line (a UserError: the CLI prints it, exit code 2) that says
+why and where the next invocation of the same run.name resumes from: more worker-group failures than
+train.max_failures (Ray Train's `TrainingFailedError`, its last failure named: a storage error, a dead
+worker, an exception), or train.max_nonfinite_steps non-finite steps in a row (the workers stop together
+and tell the coordinator). The original error stays chained (`--debug` shows its traceback)."""
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
+
+from dflash_ray.errors import UserError
 
 
 @dataclass
@@ -13,19 +22,36 @@ class FitOutcome:
     wall_seconds: float
 
 
+_FITS: dict[str, int] = {}   # fits started from this process, by coordinator name
+
+
+def _fresh_coordinator(run_spec):
+    """The spec with a coordinator name this process has not used yet. The name is per run and driver
+    process (spec.coordinator_name); a second fit of the same run.name from the same process (a rerun after
+    a stop, from a notebook or a test) must not meet the first fit's killed coordinator, whose handle the
+    pooled Ray Data workers keep cached by name (pipeline.join_tokens)."""
+    n = _FITS.get(run_spec.coordinator, 0)
+    _FITS[run_spec.coordinator] = n + 1
+    return run_spec if n == 0 else dataclasses.replace(run_spec, coordinator=f"{run_spec.coordinator}-{n}")
+
+
 def fit(run_spec, num_buckets: int, *, progress: bool = True) -> FitOutcome:
     import ray
     from ray.data import DataContext
-    from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig
+    from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from dflash_ray.data.shards import read_all
     from dflash_ray.runtime.cluster import start_coordinator
-    from dflash_ray.runtime.loop import train_loop_per_worker
+    from dflash_ray.runtime.loop import faults_for_tests, train_loop_per_worker
     from dflash_ray.runtime.pipeline import DatasetFactory, TokenStore
     from dflash_ray.runtime.progress import Progress
 
+    run_spec = _fresh_coordinator(run_spec)
     c, t = run_spec.cluster, run_spec.train
+    if int(getattr(t, "max_nonfinite_steps", 0) or 0) < 0:
+        raise UserError(f"config key 'train.max_nonfinite_steps': must be >= 0 (0: never stop), got "
+                        f"{t.max_nonfinite_steps}")
     coord = start_coordinator(run_spec, num_buckets)
     t0 = time.time()
     tokens_ref = ray.put(TokenStore.from_table(read_all(run_spec.shards, run_spec.vocab_size)).arrays())
@@ -35,7 +61,8 @@ def fit(run_spec, num_buckets: int, *, progress: bool = True) -> FitOutcome:
     exec_opts.preserve_order = True  # with one-row blocks: round-robin over the train workers
     trainer = TorchTrainer(
         train_loop_per_worker,
-        train_loop_config={"spec": run_spec, "threads": 1},  # one torch thread per worker: measured best on CPUs
+        # one torch thread per worker: measured best on CPUs; test_faults: {} outside tests/reliability
+        train_loop_config={"spec": run_spec, "threads": 1, "test_faults": faults_for_tests()},
         torch_config=TorchConfig(backend="nccl" if c.use_gpu else "gloo"),
         scaling_config=ScalingConfig(num_workers=c.drafter_workers, use_gpu=c.use_gpu,
                                      resources_per_worker={"GPU": c.drafter_gpus, "CPU": 1} if c.use_gpu else {"CPU": 1}),
@@ -46,13 +73,87 @@ def fit(run_spec, num_buckets: int, *, progress: bool = True) -> FitOutcome:
         datasets={"train": DatasetFactory(run_spec, tokens_ref, run_spec.experiment_dir)},
         dataset_config=DataConfig(execution_options=exec_opts),
     )
+    failure = result = None
     try:
         with Progress(coord, enabled=progress):
-            result = trainer.fit()
+            try:
+                result = trainer.fit()
+            except TrainingFailedError as e:  # Ray Train gave up: after train.max_failures restarts
+                failure = e
         report = ray.get(coord.report.remote())
         ray.get(coord.close.remote())
     finally:
         ray.kill(coord)  # the name is free for a rerun of this run from this process
-    if result.error is not None:
-        raise result.error
+    if failure is None and result.error is not None:
+        failure = result.error
+    if failure is not None:
+        raise failure_error(run_spec, failure) from failure
+    if report.get("stopped"):
+        raise UserError(stopped_message(run_spec, report["stopped"]))
     return FitOutcome(report=report, started=t0, wall_seconds=time.time() - t0)
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    line = " ".join(str(text).split())
+    return line if len(line) <= limit else line[:limit - 3] + "..."
+
+
+def resume_point(run_spec) -> str:
+    """Where a rerun of this run.name starts: the latest checkpoint Ray Train registered (complete)."""
+    from dflash_ray.runtime.checkpoint import latest_checkpoint
+
+    try:
+        cursor, checkpoint = latest_checkpoint(run_spec.experiment_dir)
+    except Exception as e:  # noqa: BLE001 - the storage itself may be what failed
+        return f"the run's checkpoints could not be read ({_one_line(e, 120)})"
+    if checkpoint is None:
+        return "no checkpoint was completed: a rerun of the same run.name starts from step 0"
+    return (f"the latest complete checkpoint (step {cursor.step}, {checkpoint}) is intact: rerun the same "
+            f"run.name to resume from it")
+
+
+def _cause(run_spec, failures: list) -> str:
+    """The last failure in words: a storage error first (every rank hits it), then a dead worker (the
+    others' errors are its echoes), then any other exception."""
+    import ray.exceptions
+
+    from dflash_ray.runtime.checkpoint import _filesystem
+
+    storage_dir = _filesystem(run_spec.experiment_dir)[1]
+    for e in failures:
+        if isinstance(e, OSError) and (storage_dir in str(e) or run_spec.experiment_dir in str(e)):
+            return (f"a checkpoint could not be written to train.storage_path ({run_spec.storage_path}): "
+                    f"{_one_line(e)}")
+    for e in failures:
+        inner = getattr(e, "health_check_failure", e)   # Ray Train's WorkerHealthCheckFailedError
+        if isinstance(inner, ray.exceptions.RayActorError):
+            return "a trainer worker died (killed, out of memory, or its node lost)"
+    for e in failures:
+        if isinstance(e, OSError) and "dflash-ckpt-" in str(e):
+            return f"a checkpoint could not be written to its local temporary directory: {_one_line(e)}"
+    e = failures[0]
+    return f"{type(e).__name__}: {_one_line(e)}"
+
+
+def failure_error(run_spec, err: Exception) -> UserError:
+    """One line for a run Ray Train gave up on; a UserError raised inside a worker is returned as it is."""
+    failures = list((getattr(err, "worker_failures", None) or {}).values())
+    for e in failures:
+        if isinstance(e, UserError):
+            return e
+    cause = _cause(run_spec, failures) if failures else _one_line(err)
+    if failures:  # a WorkerGroupError: Ray Train retries those, up to max_failures
+        k = int(run_spec.train.max_failures)
+        times = "once" if k == 0 else f"{k + 1} times"
+        return UserError(f"training failed {times}, more than train.max_failures={k} allows; the last failure: "
+                         f"{cause}; {resume_point(run_spec)}")
+    return UserError(f"training failed: {cause}; {resume_point(run_spec)}")
+
+
+def stopped_message(run_spec, why: dict) -> str:
+    if why.get("reason") == "nonfinite":
+        return (f"training stopped at step {why['step']}: {why['streak']} steps in a row (steps {why['first_step']}-"
+                f"{why['step']}) had a non-finite loss or gradient (loss {why.get('loss')}, grad norm "
+                f"{why.get('grad_norm')}), the limit set by train.max_nonfinite_steps={why['limit']}; their "
+                f"batches were skipped (no update); {resume_point(run_spec)}")
+    return f"training stopped at step {why.get('step')}: {why}; {resume_point(run_spec)}"

@@ -1,0 +1,59 @@
+"""The one line a run ends with when Ray Train gives up (runtime/trainer.py), from the errors Ray Train 2.60
+raises (`WorkerGroupError` with each rank's exception), without a cluster. The runs that really fail this
+way are in test_faults_on_ray.py; this file covers the kinds of last failure those runs do not end on."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+from ray.exceptions import ActorDiedError
+from ray.train.v2._internal.exceptions import WorkerHealthCheckFailedError
+from ray.train.v2.api.exceptions import ControllerError, WorkerGroupError
+
+from dflash_ray.errors import UserError
+from dflash_ray.runtime.trainer import failure_error, stopped_message
+
+
+@pytest.fixture
+def spec(tmp_path):
+    storage = tmp_path / "ray_train"
+    return SimpleNamespace(name="r", storage_path=str(storage), experiment_dir=str(storage / "r"),
+                           train=SimpleNamespace(max_failures=2))
+
+
+def line(err: UserError) -> str:
+    text = str(err)
+    assert "\n" not in text
+    return text
+
+
+def test_dead_worker_wins_over_its_echoes(spec):
+    died = WorkerHealthCheckFailedError("Worker health check failed", ActorDiedError())
+    echo = RuntimeError("[../third_party/gloo/transport/tcp/pair.cc:534] Connection closed by peer\nmore")
+    msg = line(failure_error(spec, WorkerGroupError("...", {0: echo, 1: died})))
+    assert msg.startswith("training failed 3 times, more than train.max_failures=2 allows; the last failure: "
+                          "a trainer worker died")
+    assert msg.endswith("no checkpoint was completed: a rerun of the same run.name starts from step 0")
+
+
+def test_storage_error_names_the_key(spec):
+    err = PermissionError(13, f"Cannot create directory '{spec.experiment_dir}/checkpoint_x'. Detail: denied")
+    msg = line(failure_error(spec, WorkerGroupError("...", {0: err, 1: err})))
+    assert f"a checkpoint could not be written to train.storage_path ({spec.storage_path})" in msg
+
+
+def test_other_exception_is_its_first_line_and_a_user_error_passes_through(spec):
+    spec.train.max_failures = 0
+    msg = line(failure_error(spec, WorkerGroupError("...", {0: RuntimeError("the stream lost its order\nx")})))
+    assert msg.startswith("training failed once, more than train.max_failures=0 allows; the last failure: "
+                          "RuntimeError: the stream lost its order x;")
+    bad = UserError("config key 'model.init_from': shapes differ")
+    assert failure_error(spec, WorkerGroupError("...", {1: bad})) is bad
+    assert line(failure_error(spec, ControllerError(ValueError("boom")))).startswith("training failed: ")
+
+
+def test_nonfinite_stop_line(spec):
+    msg = line(UserError(stopped_message(spec, {"reason": "nonfinite", "step": 9, "streak": 4, "first_step": 6,
+                                                "limit": 4, "loss": float("nan"), "grad_norm": float("nan")})))
+    assert msg.startswith("training stopped at step 9: 4 steps in a row (steps 6-9) had a non-finite loss or "
+                          "gradient (loss nan, grad norm nan), the limit set by train.max_nonfinite_steps=4")

@@ -1,0 +1,252 @@
+"""Faults injected into the real pipeline (a local Ray, real parquet shards, real models, real signals):
+
+* NaN features reach the trainers: the step is skipped and counted; K skipped steps in a row stop the run
+  with one line, the last checkpoint intact; a rerun finishes and counts the skips in summary.json.
+* A trainer worker is SIGKILLed while it writes a checkpoint, then the storage stops accepting checkpoints
+  (two failures in a row, more than train.max_failures=1): one line naming train.max_failures and the
+  storage, the previous complete checkpoint intact; a rerun resumes from it and ends with an exact ledger.
+* The driver is SIGKILLed while a checkpoint's files are in storage but not yet registered: a rerun
+  resumes from the previous registered checkpoint and ends with an exact ledger.
+
+Faults that need a precise moment come from DFLASH_TEST_FAULTS (runtime/loop.py: `faults_for_tests`),
+which the driver reads and hands to the workers; every other part of these runs is the product as it runs.
+W = 2 (two drafter workers), 10 plan batches per epoch of the tiny data: 5 steps an epoch."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_ray.errors import UserError
+from dflash_ray.runtime.checkpoint import latest_checkpoint, load_weights, read_snapshot, read_state
+from dflash_ray.runtime.ledger import LEDGER, read_jsonl
+from dflash_ray.runtime.loop import TEST_FAULTS_ENV
+from helpers_cluster import own_processes
+
+BASE = ["train.epochs=2", "train.checkpoint_every=2", "train.num_to_keep=10"]
+
+
+def wait_for(pred, timeout, what):
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        value = pred()
+        if value:
+            return value
+        time.sleep(0.2)
+    raise TimeoutError(f"timed out waiting for {what}")
+
+
+def events(run_dir: Path, kind: str) -> list[dict]:
+    return [e for e in read_jsonl(Path(run_dir) / "events.jsonl") if e["event"] == kind]
+
+
+def checkpoints_by_step(experiment_dir: str) -> dict[int, Path]:
+    """Every complete checkpoint in storage, by its cursor's step."""
+    out = {}
+    for d in sorted(Path(experiment_dir).glob("checkpoint_*")):
+        try:
+            out[read_state(d)["cursor"]["step"]] = d
+        except Exception:  # noqa: BLE001 - an incomplete one is not listed
+            pass
+    return out
+
+
+def expected_positions(plan_batches: list[int], steps: int) -> list[list[int]]:
+    """The plan positions of steps 1..steps at W = 2 (an epoch's odd last batch is padded with a filler)."""
+    out = []
+    for n in plan_batches:
+        out += [[p if p < n else -1 for p in (2 * s, 2 * s + 1)] for s in range(-(-n // 2))]
+    return out[:steps]
+
+
+def assert_exact(run_dir: Path, plan_batches, steps: int) -> list[dict]:
+    ledger = read_jsonl(Path(run_dir) / LEDGER)
+    assert [r["step"] for r in ledger] == list(range(1, steps + 1))
+    assert [r["positions"] for r in ledger] == expected_positions(plan_batches, steps)
+    return ledger
+
+
+def local_checkpoints(pid: int) -> list[Path]:
+    """The local checkpoint directories process `pid` was writing (checkpoint._local_prefix)."""
+    return list(Path(tempfile.gettempdir()).glob(f"dflash-ckpt-{pid}-*"))
+
+
+def one_line(e: BaseException) -> str:
+    text = str(e)
+    assert "\n" not in text, text
+    return text
+
+
+# ----------------------------------------------------------------------------- NaN / Inf
+def test_nonfinite_steps_are_skipped_counted_then_stop_the_run(train_run, tiny_plan_batches, monkeypatch):
+    """Rank 1's batches get a NaN feature at steps 2, 5, 6, 7 (train.max_nonfinite_steps=3): steps 2, 5, 6
+    are skipped on both ranks (rank 0's weights do not move though its own batches are fine), step 7 is the
+    third in a row and stops the run, without a checkpoint; checkpoints 4, 5 and 6 hold the same weights."""
+    name = "nonfinite"
+    overrides = [*BASE, "train.max_steps=8", "train.max_nonfinite_steps=3"]
+    monkeypatch.setenv(TEST_FAULTS_ENV, json.dumps({"nonfinite": {"steps": [2, 5, 6, 7], "rank": 1}}))
+    with pytest.raises(UserError) as err:
+        train_run(name, overrides)
+    msg = one_line(err.value)
+    print(msg)                                      # the line the user sees (pytest -rP shows it)
+    assert "train.max_nonfinite_steps=3" in msg and "steps 5-7" in msg and "step 6" in msg, msg
+
+    run_dir = train_run.root / name
+    spec_exp = str(run_dir / "ray_train" / name)
+    cursor, latest = latest_checkpoint(spec_exp)
+    assert cursor.step == 6 and read_state(Path(latest))["nonfinite_streak"] == 2   # intact, registered
+    ckpts = checkpoints_by_step(spec_exp)
+    assert sorted(ckpts) == [2, 4, 5, 6]                                   # none at the stop (step 7)
+    w4, w5, w6 = (load_weights(ckpts[s]) for s in (4, 5, 6))
+    for k in w4:                                                           # skipped steps moved nothing
+        assert torch.equal(w4[k], w5[k]) and torch.equal(w4[k], w6[k]), k
+        assert torch.isfinite(w6[k]).all(), k
+    assert any(not torch.equal(load_weights(ckpts[2])[k], w4[k]) for k in w4)   # steps 3, 4 trained
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
+    assert [m["step"] for m in metrics if m["skipped_nonfinite"]] == [2, 5, 6, 7]
+    assert [m["nonfinite_streak"] for m in metrics] == [0, 1, 0, 0, 1, 2, 3]
+    ledger = read_jsonl(run_dir / LEDGER)                                  # consumed, marked, not retried
+    assert [r["step"] for r in ledger if r.get("skipped") == "nonfinite"] == [2, 5, 6, 7]
+    assert [r["positions"] for r in ledger] == expected_positions(tiny_plan_batches, 7)
+    assert events(run_dir, "run_stopped")[-1]["step"] == 7
+
+    # the same run.name again, the features fine now: it resumes from step 6 (the stopped step 7 rolls back)
+    monkeypatch.delenv(TEST_FAULTS_ENV)
+    _, s = train_run(name, overrides)
+    assert s["steps"] == 8 and s["ledger"]["ok"], s["ledger"]
+    assert s["skipped_nonfinite"] == 3 and s["skipped_nonfinite_steps"] == [2, 5, 6]
+    assert s["rolled_back_steps"] == 1
+    assert_exact(run_dir, tiny_plan_batches, 8)
+
+
+# ----------------------------------------------------------------------------- kills and storage
+@pytest.fixture
+def storage_lock():
+    """Makes a directory refuse new entries, for root too (chmod does not stop root; the immutable
+    attribute does), and always gives it back."""
+    locked = []
+
+    def lock(path: Path):
+        if os.geteuid() != 0:
+            path.chmod(0o555)
+        else:
+            r = subprocess.run(["chattr", "+i", str(path)], capture_output=True, text=True)
+            if r.returncode != 0:
+                pytest.skip(f"running as root and `chattr +i` is refused here: {r.stderr.strip()}")
+        locked.append(path)
+
+    def unlock():
+        while locked:
+            path = locked.pop()
+            if os.geteuid() != 0:
+                path.chmod(0o755)
+            else:
+                subprocess.run(["chattr", "-i", str(path)], check=True)
+
+    lock.unlock = unlock
+    yield lock
+    unlock()
+
+
+def test_worker_killed_mid_checkpoint_then_storage_unwritable_exceeds_max_failures(
+        train_run, tiny_plan_batches, monkeypatch, storage_lock):
+    """Rank 0 stops halfway through writing the step-4 checkpoint (weights written, state.json not);
+    it is SIGKILLed there and the storage is made unwritable: failure 1, survived (train.max_failures=1),
+    the group restarts from the step-2 checkpoint; at step 4 the checkpoint cannot be written: failure 2,
+    the run stops with one line. A rerun, storage writable again, resumes from step 2 exactly."""
+    name = "kill_and_storage"
+    overrides = [*BASE, "train.max_steps=6", "train.max_failures=1"]
+    monkeypatch.setenv(TEST_FAULTS_ENV, json.dumps(
+        {"checkpoint_pause": {"step": 4, "seconds": 300, "where": "write", "attempts": [1]}}))
+    run_dir = train_run.root / name
+    experiment = run_dir / "ray_train" / name
+    seen = {}
+
+    def inject(_):
+        pause = wait_for(lambda: events(run_dir, "test_fault") or (run_dir / "summary.json").exists(), 300,
+                         "rank 0 inside the step-4 checkpoint")
+        assert pause is not True, "the run ended without pausing in its step-4 checkpoint"
+        pause = pause[0]
+        seen["before"] = wait_for(lambda: latest_checkpoint(str(experiment))[0].step, 60, "checkpoint 2 registered")
+        storage_lock(experiment)                     # no new checkpoint directory can be made from now on
+        os.kill(pause["pid"], signal.SIGKILL)        # rank 0, halfway through its checkpoint files
+        seen["pid"] = pause["pid"]
+        seen["left"] = [sorted(os.listdir(d)) for d in local_checkpoints(pause["pid"])]
+
+    with pytest.raises(UserError) as err:
+        train_run(name, overrides, during=inject)
+    msg = one_line(err.value)
+    print(msg)                                      # the line the user sees (pytest -rP shows it)
+    assert seen["before"] == 2
+    assert "train.max_failures=1" in msg and "2 times" in msg, msg
+    assert "a checkpoint could not be written to train.storage_path" in msg, msg
+    assert "step 2" in msg and "rerun the same run.name" in msg, msg
+    restarts = events(run_dir, "trainer_group_restarted")
+    assert [e["resume_step"] for e in restarts] == [2]                # the kill: back to the step-2 checkpoint
+    cursor, latest = latest_checkpoint(str(experiment))
+    assert cursor.step == 2 and read_state(Path(latest))["cursor"]["step"] == 2     # intact, still the latest
+    assert sorted(checkpoints_by_step(str(experiment))) == [2]
+    assert seen["left"] == [["drafter.safetensors"]]                 # what the kill left: half a checkpoint ...
+    assert local_checkpoints(seen["pid"]) == []                       # ... removed by the restarted workers
+
+    storage_lock.unlock()
+    monkeypatch.delenv(TEST_FAULTS_ENV)
+    _, s = train_run(name, overrides)
+    assert s["steps"] == 6 and s["ledger"]["ok"], s["ledger"]
+    assert s["rolled_back_steps"] >= 2                                 # steps 3, 4 of the failed attempt
+    assert_exact(run_dir, tiny_plan_batches, 6)
+
+
+def test_driver_killed_while_a_checkpoint_is_unregistered_resumes_from_the_previous(train_run, tiny_plan_batches):
+    """The driver (`python -m dflash_ray.train`, its own local Ray) is SIGKILLed while rank 0's files of
+    the step-4 checkpoint are in storage but the checkpoint is not registered. The same run.name run again
+    resumes from step 2 (never from the complete-looking step-4 directory) and ends exactly once."""
+    name = "driver_kill"
+    root = train_run.root
+    run_dir, experiment = root / name, root / name / "ray_train" / name
+    overrides = [*BASE, "train.max_steps=6"]
+    ray_tmp = tempfile.mkdtemp(prefix="dfrk", dir="/tmp")   # short (Ray's sockets live under it), ours alone
+    env = {k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}
+    env.update(RAY_TMPDIR=ray_tmp, RAY_AUTH_MODE="disabled", **{TEST_FAULTS_ENV: json.dumps(
+        {"checkpoint_pause": {"step": 4, "seconds": 300, "where": "upload"}})})
+    log = open(root / f"{name}.log", "w")
+    driver = subprocess.Popen(
+        [sys.executable, "-m", "dflash_ray.train", f"run.root={root}", f"run.name={name}", *train_run.data,
+         *overrides], env=env, stdout=log, stderr=subprocess.STDOUT, cwd=root)
+    try:
+        wait_for(lambda: events(run_dir, "test_fault") or driver.poll() is not None, 400,
+                 "rank 0 between upload and registration")
+        assert driver.poll() is None, (root / f"{name}.log").read_text()[-3000:]
+        wait_for(lambda: latest_checkpoint(str(experiment))[0].step, 60, "checkpoint 2 registered")
+        # rank 1's file of step 4 is uploaded by its own worker: give it a moment to land
+        unregistered = wait_for(lambda: 4 in (c := checkpoints_by_step(str(experiment))) and c, 30,
+                                "the step-4 files in storage")
+        driver.send_signal(signal.SIGKILL)
+        driver.wait(30)
+        # the driver's local Ray goes with it (Ray ties its processes to the driver that started them)
+        wait_for(lambda: not own_processes(ray_tmp), 60, "the killed driver's Ray to exit")
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+        for pid in own_processes(ray_tmp):
+            os.kill(pid, signal.SIGKILL)
+        log.close()
+        shutil.rmtree(ray_tmp, ignore_errors=True)
+    assert 4 in unregistered                       # rank 0's step-4 files were whole in storage ...
+    assert latest_checkpoint(str(experiment))[0].step == 2      # ... but Ray Train had registered step 2 only
+    assert read_snapshot(str(experiment))["latest_checkpoint_result"]["metrics"]["cursor_step"] == 2
+    assert len(read_jsonl(run_dir / LEDGER)) >= 4              # steps 3, 4 were committed, then lost
+
+    _, s = train_run(name, overrides)
+    assert s["steps"] == 6 and s["ledger"]["ok"], s["ledger"]
+    assert s["rolled_back_steps"] >= 2 and s["trainer_restarts"] == 0
+    assert_exact(run_dir, tiny_plan_batches, 6)

@@ -1,0 +1,116 @@
+"""A NaN or Inf in a step (runtime/step.py, no Ray): the step makes no update, says so, and the next
+finite step trains as if the bad one had never been there. The Ray run that skips, counts and stops is
+in test_faults_on_ray.py."""
+from __future__ import annotations
+
+import copy
+
+import numpy as np
+import pytest
+import torch
+
+from dflash_ray.model.drafter import DrafterConfig, build_drafter
+from dflash_ray.model.target import build_synthetic_target, load_target
+from dflash_ray.runtime.rows import TrainRow, encode_features, token_row
+from dflash_ray.runtime.step import LossModule, make_optimizer, train_step
+from dflash_ray.config import TrainConfig
+from helpers_model import TINY_QWEN3
+
+VOCAB, MASK, BLOCK = 300, 299, 4
+
+
+@pytest.fixture(scope="module")
+def drafter_and_width(tmp_path_factory):
+    root = tmp_path_factory.mktemp("nonfinite")
+    target = load_target(build_synthetic_target({**TINY_QWEN3, "num_hidden_layers": 4}, VOCAB,
+                                                str(root / "target"), seed=3))
+    cfg = DrafterConfig(num_draft_layers=1, block_size=BLOCK, num_anchors=8, mask_token_id=MASK)
+    drafter = build_drafter(cfg, target.config, target.model.embed_tokens.weight, target.lm_head.weight, seed=0,
+                            attention_backend="sdpa")
+    return drafter, drafter.config.hidden_size * len(drafter.config.dflash_config["target_layer_ids"])
+
+
+def row(position, width, features, seed, poison=None) -> TrainRow:
+    """A trainer row as the stream delivers it; `poison` (nan/inf) fills one context feature."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, MASK, (2, width), generator=g).numpy().astype(np.int32)
+    mask = np.ones((2, width), np.int8)
+    mask[:, : width // 4] = 0
+    lengths = np.full(2, width)
+    ctx = torch.randn(2, width, features, generator=g)
+    if poison is not None:
+        ctx[0, width - 1, 0] = poison          # one value of the last position: every block sees it
+    context, dtype = encode_features(ctx)
+    scalars = dict(index=position, epoch=0, position=position, epoch_batches=10, bucket=0,
+                   num_tokens=int(lengths.sum()))
+    cols = token_row(scalars, 1, ids, mask, lengths)
+    return TrainRow.from_batch({**cols, "context": context[None], "context_dtype": np.array([dtype])})
+
+
+def adamw(drafter):
+    # the run's own optimizer and schedule (warmup: the learning rate changes every step)
+    return make_optimizer(TrainConfig(lr=1e-3, warmup_ratio=0.5), drafter, schedule_steps=8)
+
+
+def step(drafter, opt, sched, rows, grad_clip=1.0):
+    return train_step(LossModule(drafter), drafter, opt, sched, rows, rank=0, workers=1,
+                      batches_per_step=len(rows), seed=0, grad_clip=grad_clip, device="cpu")
+
+
+def weights(drafter):
+    return [p.detach().clone() for p in drafter.trainable_parameters()]
+
+
+@pytest.mark.parametrize("poison, grad_clip", [(float("nan"), 1.0), (float("inf"), 0.0)])
+def test_nonfinite_context_skips_the_update(drafter_and_width, poison, grad_clip):
+    """NaN/Inf in one batch's context features (with and without clipping): no weight moves, AdamW keeps
+    no state for the step, the schedule advances, the step says skipped_nonfinite; a finite step after it
+    then trains exactly as the second step of a run that never met the bad batch."""
+    base, features = drafter_and_width
+    good, bad, nxt = (row(1, 16, features, 1), row(2, 16, features, 2, poison=poison), row(3, 16, features, 3))
+
+    drafter = copy.deepcopy(base)
+    opt, sched = adamw(drafter)
+    first = step(drafter, opt, sched, [good], grad_clip)
+    assert not first.skipped_nonfinite and np.isfinite(first.loss)
+    before, moments = weights(drafter), copy.deepcopy(opt.state_dict()["state"])
+    lr_before = sched.get_last_lr()[0]
+
+    skipped = step(drafter, opt, sched, [bad, nxt], grad_clip)   # two micro-batches, one poisoned
+    assert skipped.skipped_nonfinite
+    assert not (np.isfinite(skipped.loss) and np.isfinite(skipped.grad_norm))
+    assert skipped.positions == [2, 3] and skipped.tokens == 64   # the batches are still accounted for
+    for a, b in zip(before, weights(drafter)):
+        assert torch.equal(a, b)                                    # no update
+    after = opt.state_dict()["state"]
+    for k in moments:                                               # AdamW's moments and count untouched
+        for name in moments[k]:
+            assert torch.equal(torch.as_tensor(moments[k][name]), torch.as_tensor(after[k][name]))
+    assert sched.get_last_lr()[0] != lr_before                      # the schedule moved on
+    assert all(p.grad is None for p in drafter.trainable_parameters())  # no NaN left behind in .grad
+
+    # the next finite step: as the third step of a run whose second step trained nothing
+    clean = copy.deepcopy(base)
+    o2, s2 = adamw(clean)
+    step(clean, o2, s2, [good], grad_clip)
+    s2.step()                                                       # the skipped step's place in the schedule
+    r_clean = step(clean, o2, s2, [nxt], grad_clip)
+    r = step(drafter, opt, sched, [nxt], grad_clip)
+    assert not r.skipped_nonfinite and r.loss == pytest.approx(r_clean.loss)
+    for a, b in zip(weights(clean), weights(drafter)):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+def test_nonfinite_parameter_skips_the_update(drafter_and_width):
+    """A NaN in a trainable parameter (the loss and every gradient go NaN): nothing is written over."""
+    base, features = drafter_and_width
+    drafter = copy.deepcopy(base)
+    opt, sched = adamw(drafter)
+    p0 = drafter.trainable_parameters()[0]
+    with torch.no_grad():
+        p0.view(-1)[0] = float("nan")
+    before = weights(drafter)
+    r = step(drafter, opt, sched, [row(1, 16, features, 1)])
+    assert r.skipped_nonfinite and not opt.state_dict()["state"]    # AdamW never stepped
+    for a, b in zip(before, weights(drafter)):
+        assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
