@@ -164,3 +164,12 @@ def submit_job_to_fresh_cluster(tmp_path: Path, job_args: list[str]) -> dict:
         head_log.close()
 
 
+def wait_for(pred, timeout, what, every: float = 0.1):
+    """pred()'s first truthy value, polled every `every` seconds; TimeoutError naming `what` after `timeout`."""
+    t0 = time.time()
+    while time.time() - t0 < timeout:
+        value = pred()
+        if value:
+            return value
+        time.sleep(every)
+    raise TimeoutError(f"timed out waiting for {what}")

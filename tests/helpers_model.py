@@ -19,3 +19,18 @@ def reference_acceptance_lengths(drafter_dir, target_dir, prompts, max_new_token
     target = load_target(target_dir)
     return [reference.dflash_generate(model, target, torch.tensor([p]), max_new_tokens, stop_token_ids,
                                       return_stats=True).acceptance_lengths for p in prompts]
+
+
+def tiny_step_drafter(root, vocab: int = 300, mask: int = 299, block: int = 4):
+    """A one-layer drafter (SDPA) on a synthesised 4-layer tiny target, and its context width: what the
+    step tests train."""
+    from dflash_ray.model.drafter import DrafterConfig, build_drafter
+    from dflash_ray.model.target import build_synthetic_target, load_target
+
+    target = load_target(build_synthetic_target({**TINY_QWEN3, "num_hidden_layers": 4}, vocab,
+                                                str(root / "target"), seed=3))
+    cfg = DrafterConfig(num_draft_layers=1, block_size=block, num_anchors=8, mask_token_id=mask)
+    drafter = build_drafter(cfg, target.config, target.model.embed_tokens.weight, target.lm_head.weight, seed=0,
+                            attention_backend="sdpa")
+    return drafter, drafter.config.hidden_size * len(drafter.config.dflash_config["target_layer_ids"])
+

@@ -17,24 +17,13 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
 
-from helpers_cluster import RUNTIME_RUN, TrainRun
+from helpers_cluster import RUNTIME_RUN, TrainRun, wait_for
 from dflash_ray.runtime.checkpoint import load_weights, read_state
 from dflash_ray.runtime.ledger import LEDGER, read_jsonl
-
-
-def wait_for(pred, timeout, what):
-    t0 = time.time()
-    while time.time() - t0 < timeout:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise TimeoutError(f"timed out waiting for {what}")
 
 
 def coordinator(name):

@@ -14,24 +14,18 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_ray.model.drafter import DrafterConfig, build_drafter
+from dflash_ray.model.drafter import DrafterConfig
 from dflash_ray.model.target import build_synthetic_target, load_target
 from dflash_ray.runtime.rows import FILLER, TrainRow, decode_features, encode_features, token_row
 from dflash_ray.runtime.step import LossModule, StepStats, batch_seed, train_step
-from helpers_model import TINY_QWEN3
+from helpers_model import TINY_QWEN3, tiny_step_drafter
 
 VOCAB, MASK, BLOCK = 300, 299, 4
 
 
 @pytest.fixture(scope="module")
 def drafter_and_width(tmp_path_factory):
-    root = tmp_path_factory.mktemp("step")
-    target = load_target(build_synthetic_target({**TINY_QWEN3, "num_hidden_layers": 4}, VOCAB,
-                                                str(root / "target"), seed=3))
-    cfg = DrafterConfig(num_draft_layers=1, block_size=BLOCK, num_anchors=8, mask_token_id=MASK)
-    drafter = build_drafter(cfg, target.config, target.model.embed_tokens.weight, target.lm_head.weight, seed=0,
-                            attention_backend="sdpa")
-    return drafter, drafter.config.hidden_size * len(drafter.config.dflash_config["target_layer_ids"])
+    return tiny_step_drafter(tmp_path_factory.mktemp("step"), VOCAB, MASK, BLOCK)
 
 
 def make_row(index, position, rows, width, features, seed, epoch=0, bucket=0, filler=False) -> TrainRow:

@@ -20,7 +20,6 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -30,19 +29,9 @@ from dflash_ray.errors import UserError
 from dflash_ray.runtime.checkpoint import latest_checkpoint, load_weights, read_snapshot, read_state
 from dflash_ray.runtime.ledger import LEDGER, read_jsonl
 from dflash_ray.runtime.loop import TEST_FAULTS_ENV
-from helpers_cluster import own_processes
+from helpers_cluster import own_processes, wait_for
 
 BASE = ["train.epochs=2", "train.checkpoint_every=2", "train.num_to_keep=10"]
-
-
-def wait_for(pred, timeout, what):
-    t0 = time.time()
-    while time.time() - t0 < timeout:
-        value = pred()
-        if value:
-            return value
-        time.sleep(0.2)
-    raise TimeoutError(f"timed out waiting for {what}")
 
 
 def events(run_dir: Path, kind: str) -> list[dict]:

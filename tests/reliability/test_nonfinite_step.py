@@ -9,25 +9,18 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_ray.model.drafter import DrafterConfig, build_drafter
-from dflash_ray.model.target import build_synthetic_target, load_target
+from helpers_model import tiny_step_drafter
+
+from dflash_ray.config import TrainConfig
 from dflash_ray.runtime.rows import TrainRow, encode_features, token_row
 from dflash_ray.runtime.step import LossModule, make_optimizer, train_step
-from dflash_ray.config import TrainConfig
-from helpers_model import TINY_QWEN3
 
 VOCAB, MASK, BLOCK = 300, 299, 4
 
 
 @pytest.fixture(scope="module")
 def drafter_and_width(tmp_path_factory):
-    root = tmp_path_factory.mktemp("nonfinite")
-    target = load_target(build_synthetic_target({**TINY_QWEN3, "num_hidden_layers": 4}, VOCAB,
-                                                str(root / "target"), seed=3))
-    cfg = DrafterConfig(num_draft_layers=1, block_size=BLOCK, num_anchors=8, mask_token_id=MASK)
-    drafter = build_drafter(cfg, target.config, target.model.embed_tokens.weight, target.lm_head.weight, seed=0,
-                            attention_backend="sdpa")
-    return drafter, drafter.config.hidden_size * len(drafter.config.dflash_config["target_layer_ids"])
+    return tiny_step_drafter(tmp_path_factory.mktemp("nonfinite"), VOCAB, MASK, BLOCK)
 
 
 def row(position, width, features, seed, poison=None) -> TrainRow:
