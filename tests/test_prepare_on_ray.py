@@ -54,3 +54,9 @@ def test_ray_prepare_fails_on_a_bad_row_with_the_same_one_line(ray_session, tmp_
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and err[-1].endswith("c.jsonl: row 30: row is a JSON list, not an object"), err
     assert not (tmp_path / "o").exists()
+    # a whole-file problem found inside a task is the driver's one line too, not a Ray task error
+    pq.write_table(pa.table({"text": ["no conversation here"]}), tmp_path / "plain.parquet")
+    rc = run_command("prepare", [f"data.input={tmp_path / 'plain.parquet'}", f"data.tokenizer={tokdir}",
+                                 f"data.output={tmp_path / 'p'}", "data.prepare_engine=ray"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and err[-1].endswith("plain.parquet: no 'messages' or 'conversations' column (columns: text)"), err

@@ -8,7 +8,7 @@ template that rewrites history gives one row per assistant turn. Bad rows stop t
 naming the file and row (data.on_bad_row=fail) or are skipped and counted by reason (skip).
 
 Sample ids: conversation id x 1024 + the row's turn (0 for a whole-conversation row, k for the k-th
-assistant turn's own row), where the conversation id is its running row index over the inputs: stable
+trusted assistant turn's own row), where the conversation id is its running row index over the inputs: stable
 across reruns, unique, and id // 1024 names the input row.
 """
 from __future__ import annotations
@@ -112,7 +112,7 @@ class Options:
     template_kwargs: dict | None = None
 
 
-def _table(rows: dict) -> pa.Table:
+def rows_table(rows: dict) -> pa.Table:
     return pa.table({
         "sample_id": pa.array(rows["sample_id"], type=pa.int64()),
         "input_ids": pa.array(rows["input_ids"], type=pa.list_(pa.int32())),
@@ -145,13 +145,15 @@ def add_conversation(tok, conv, opts: Options, summary: PrepareSummary, rows: di
     if not sup.rows:
         summary.dropped["no_trusted_assistant_turn"] += 1
         return
+    if opts.vocab_size is not None:  # before any row is kept: a bad conversation is left out whole
+        top = max(int(row.ids.max()) for row in sup.rows if row.ids.size) if any(r.ids.size for r in sup.rows) else -1
+        if top >= opts.vocab_size:
+            bad("token_out_of_vocabulary", f"token id {top} >= vocab size {opts.vocab_size}")
+            return
     for row in sup.rows:
         if row.turn >= TURN_STRIDE:
             summary.dropped["assistant_turns_over_1023"] += 1
             continue
-        if opts.vocab_size is not None and row.ids.size and row.ids.max() >= opts.vocab_size:
-            bad("token_out_of_vocabulary", f"token id {int(row.ids.max())} >= vocab size {opts.vocab_size}")
-            return
         supervised = int(row.mask.sum())
         if supervised < opts.min_supervised:
             summary.dropped["too_few_supervised_tokens"] += 1
@@ -172,7 +174,7 @@ def prepare_chunk(tok, chunk, opts: Options) -> tuple[pa.Table, PrepareSummary]:
     rows: dict[str, list] = {name: [] for name in PREPARED_SCHEMA.names}
     for conv in iter_chunk(chunk, format=opts.format, on_bad_row=opts.on_bad_row, report=summary.bad_rows):
         add_conversation(tok, conv, opts, summary, rows)
-    return _table(rows), summary
+    return rows_table(rows), summary
 
 
 def check_inputs(input_path, output: str, shard_size: int) -> list[str]:
@@ -202,7 +204,7 @@ def prepare(input_path, tokenizer_path: str, output: str, *, progress: bool = Tr
 
     def flush(dest: Path):
         if rows["sample_id"]:
-            pq.write_table(_table(rows), dest / f"part-{summary.shards:05d}.parquet")
+            pq.write_table(rows_table(rows), dest / f"part-{summary.shards:05d}.parquet")
             summary.shards += 1
             for v in rows.values():
                 v.clear()

@@ -38,7 +38,7 @@ TURNS = ("all", "last")
 class Row:
     ids: np.ndarray       # int32 token ids of the rendered text
     mask: np.ndarray      # int8, 1 on supervised tokens
-    turn: int             # 0 for a whole-conversation row, else 1 + the assistant turn's index among them
+    turn: int             # 0 for a whole-conversation row, else k for the k-th trusted assistant turn (1-based)
 
 
 @dataclass

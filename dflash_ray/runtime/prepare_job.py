@@ -14,8 +14,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 from dflash_ray.data.formats import Chunk, plan_chunks
-from dflash_ray.data.prepare import (PrepareSummary, Options, check_inputs, load_tokenizer, no_samples,
-                                     prepare_chunk)
+from dflash_ray.data.prepare import (Options, PrepareSummary, check_inputs, load_tokenizer, no_samples,
+                                     prepare_chunk, rows_table)
+from dflash_ray.data.shards import PREPARED_SCHEMA
 
 COUNTS = "chunk_counts"   # the column of the counts row (dropped before writing)
 
@@ -33,10 +34,18 @@ class PrepareChunk:
         import pyarrow as pa
 
         tables = []
+        from dflash_ray.errors import UserError
+
         for item in batch["chunk"]:
             d = json.loads(item)
-            table, summary = prepare_chunk(self.tok, Chunk(**{**d, "row_groups": tuple(d["row_groups"])}), self.opts)
-            state = {**_summary_state(summary), "order": [d["base"], d["start"]]}
+            try:
+                table, summary = prepare_chunk(self.tok, Chunk(**{**d, "row_groups": tuple(d["row_groups"])}),
+                                               self.opts)
+                error = None
+            except UserError as e:  # a whole-file problem (unreadable data, no conversation column)
+                empty = rows_table({n: [] for n in PREPARED_SCHEMA.names})
+                table, summary, error = empty, PrepareSummary(), str(e)
+            state = {**_summary_state(summary), "order": [d["base"], d["start"]], "error": error}
             counts = pa.table({"sample_id": pa.array([-1], pa.int64()),
                                "input_ids": pa.array([[]], pa.list_(pa.int32())),
                                "loss_mask": pa.array([[]], pa.list_(pa.int8())),
@@ -93,6 +102,8 @@ def prepare_on_ray(input_path, tokenizer_path: str, output: str, *, rows_per_tas
     counts_rows = done.filter(expr=col("sample_id") < 0).select_columns([COUNTS]).take_all()
     states = sorted((json.loads(r[COUNTS]) for r in counts_rows), key=lambda st: st["order"])  # input order
     for state in states:
+        if state.get("error"):  # the driver raises it, in input order, as the single-process path would
+            raise UserError(state["error"])
         part = _summary_from_state(state)
         if opts.on_bad_row == "fail" and part.bad_rows.bad_rows:
             first = min((rows[0][1], reason) for reason, rows in part.bad_rows.first.items())[1]

@@ -173,7 +173,7 @@ _DRAFTER_KEYS = {"hidden_size": "model.target_path", "vocab_size": "model.target
 def check_run_inputs(spec: RunSpec, tcfg) -> None:
     """Exactly-once resume needs the plan (a function of the shards) and the checkpoints' drafter to be
     those of the run's first invocation. While the run has no checkpoint, record them (shard footers'
-    fingerprint, the drafter's shape) in <run_dir>/run_inputs.json; once it has one, a rerun of the same
+    fingerprint, the drafter's shape, the plan's config keys and seed) in <run_dir>/run_inputs.json; once it has one, a rerun of the same
     run.name resumes from it, and must find the same, else one line naming the shard or key."""
     from dflash_ray.data.shards import fingerprint_change, shards_fingerprint
     from dflash_ray.model.drafter import drafter_config
@@ -185,7 +185,8 @@ def check_run_inputs(spec: RunSpec, tcfg) -> None:
     config = drafter_config(tcfg, d.num_draft_layers, d.block_size, d.mask_token_id, list(d.target_layer_ids),
                             d.intermediate_size, d.num_attention_heads, d.num_key_value_heads)
     now = {"shards": shards_fingerprint(spec.shards),
-           "drafter": {k: _field(config, k) for k in _DRAFTER_KEYS}, "target_path": spec.target_path}
+           "drafter": {k: _field(config, k) for k in _DRAFTER_KEYS}, "target_path": spec.target_path,
+           "plan": {**{k: _json_value(getattr(spec.plan, k)) for k in _PLAN_KEYS if k != "seed"}, "seed": spec.seed}}
     recorded = read_run_inputs(spec.run_dir)
     resuming = bool((read_snapshot(spec.experiment_dir) or {}).get("latest_checkpoint_result"))
     if not resuming or recorded is None:  # a fresh run (or one recorded before this check existed)
@@ -210,6 +211,23 @@ def check_run_inputs(spec: RunSpec, tcfg) -> None:
                         + ", ".join(f"{j} {old[j]}" for j in diffs) + " but this config gives "
                         + ", ".join(f"{j} {now['drafter'][j]}" for j in diffs)
                         + f"{target} {where}: use a new run.name (model.init_from can start it from this run's export)")
+    plan_then = recorded.get("plan") or {}
+    moved = [k for k in _PLAN_KEYS if k in plan_then and plan_then[k] != now["plan"][k]]
+    if moved:  # the cursor points into the old plan (checked after the target: another target moves La too)
+        k = moved[0]
+        raise UserError(f"config key '{_PLAN_KEYS[k]}': run '{spec.name}' planned its batches with {plan_then[k]}, "
+                        f"this config gives {now['plan'][k]} {where}; resuming its checkpoint under another plan "
+                        "would not be exactly-once: set it back, or train under a new run.name")
+
+
+# what the plan depends on besides the shards (PlanSpec fields and the seed), with the key that sets each
+_PLAN_KEYS = {"boundaries": "data.bucket_boundaries", "max_tokens_per_batch": "data.max_tokens_per_batch",
+              "overlong": "data.overlong", "chunk_batches": "data.chunk_batches", "min_tokens": "model.block_size",
+              "strategy": "data.interleave", "attention_tokens": "data.attention_tokens", "seed": "seed"}
+
+
+def _json_value(v):
+    return list(v) if isinstance(v, tuple) else v
 
 
 def _opt_int(value):

@@ -171,6 +171,22 @@ def test_resume_refuses_shards_changed_since_the_first_run(fault, run_args, tmp_
     assert len(json.loads((Path(spec.run_dir) / RUN_INPUTS).read_text())["shards"]) == (2 if fault == "rewritten" else 1)
 
 
+def test_resume_refuses_another_plan_config(run_args, tmp_path, ray_session, capsys):
+    # the plan is a function of the config's plan keys and the seed too: a cursor into the old plan
+    args = _with(run_args, run__root=tmp_path / "plancfg")
+    spec = resolve_spec(compose_config(args), log=lambda *a, **k: None)
+    _register_checkpoint(spec)
+    resolve_spec(compose_config(args), log=lambda *a, **k: None)             # same config: resumes
+    budget = spec.plan.max_tokens_per_batch
+    rc, err, _ = _run("train", [*args, f"data.max_tokens_per_batch={budget * 2}"], capsys)
+    assert _one_line(rc, err) == (
+        f"config key 'data.max_tokens_per_batch': run 'r' planned its batches with {budget}, this config gives "
+        f"{budget * 2} (recorded in {spec.run_dir}/{RUN_INPUTS} at its first run); resuming its checkpoint under "
+        "another plan would not be exactly-once: set it back, or train under a new run.name")
+    rc, err, _ = _run("train", [*args, "seed=7"], capsys)
+    assert "config key 'seed': run 'r' planned its batches with 0, this config gives 7" in _one_line(rc, err)
+
+
 # ----------------------------------------------------------------------------- 4. the target and the cluster
 @pytest.mark.parametrize("ids", ["[0,6]", "[-1,2]", "[]"])
 def test_target_layer_ids_out_of_range(ids, run_args, ray_session, capsys):
