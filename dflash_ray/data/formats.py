@@ -114,6 +114,12 @@ class BadRows:
             line += f"; {self.counts[EMPTY_LINE]} empty lines"
         return line
 
+    @classmethod
+    def from_dict(cls, d: dict) -> "BadRows":
+        """as_dict()'s inverse."""
+        return cls(counts=Counter(d["counts"]), first={r: [tuple(x) for x in ex] for r, ex in d["first"].items()},
+                   messages=dict(d["messages"]))
+
     def as_dict(self) -> dict:
         return {"bad_rows": self.bad_rows, "counts": dict(self.counts),
                 "first": {r: [[p, n] for p, n in ex] for r, ex in self.first.items()},
@@ -239,7 +245,8 @@ def _read_json(path: str) -> Iterator[tuple[int, object]]:
     yield from enumerate(obj)
 
 
-def _read_parquet(path: str) -> Iterator[tuple[int, object]]:
+def _read_parquet(path: str, row_groups: tuple = (), first_row: int = 0) -> Iterator[tuple[int, object]]:
+    """Rows of a parquet file (of `row_groups` only when given: a chunk, whose first row is `first_row`)."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -251,7 +258,8 @@ def _read_parquet(path: str) -> Iterator[tuple[int, object]]:
     if "messages" not in names and "conversations" not in names:
         raise UserError(f"{path}: no 'messages' or 'conversations' column (columns: {', '.join(names)})")
     columns = [c for c in ("messages", "conversations", "tools", "system") if c in names]  # skip the rest
-    batches, row = pf.iter_batches(batch_size=BATCH_ROWS, columns=columns), 0
+    batches = pf.iter_batches(batch_size=BATCH_ROWS, columns=columns, row_groups=list(row_groups) or None)
+    row = first_row
     while True:
         try:
             batch = next(batches, None)
@@ -357,14 +365,19 @@ def _tool_calls(calls, i: int) -> list[dict]:
     return out
 
 
-def _function_call_value(v, i: int) -> list[dict]:
+def _json_objects(v, reason: str, what: str):
+    """A JSON string parsed and a single object wrapped in a list: how LLaMA-Factory-style rows store lists
+    of objects (`what` begins the message when the string is not JSON)."""
     if isinstance(v, str):
         try:
             v = json.loads(v)
         except json.JSONDecodeError as e:
-            raise _Bad("bad_tool_calls", f"message {i}: function_call value is not JSON ({e.msg})") from None
-    if isinstance(v, dict):
-        v = [v]
+            raise _Bad(reason, f"{what} not JSON ({e.msg})") from None
+    return [v] if isinstance(v, dict) else v
+
+
+def _function_call_value(v, i: int) -> list[dict]:
+    v = _json_objects(v, "bad_tool_calls", f"message {i}: function_call value is")
     if not isinstance(v, list) or not v:
         raise _Bad("bad_tool_calls", f"message {i}: function_call value is not a call or a list of calls")
     return _tool_calls(v, i)
@@ -414,15 +427,9 @@ def _message(m, i: int, sharegpt: bool) -> dict:
 def _tools(t) -> list | None:
     if t is None:
         return None
-    if isinstance(t, str):  # LLaMA-Factory stores tools as a JSON string
-        if not t.strip():
-            return None
-        try:
-            t = json.loads(t)
-        except json.JSONDecodeError as e:
-            raise _Bad("bad_tools", f"'tools' is a string but not JSON ({e.msg})") from None
-    if isinstance(t, dict):
-        t = [t]
+    if isinstance(t, str) and not t.strip():  # LLaMA-Factory stores tools as a JSON string
+        return None
+    t = _json_objects(t, "bad_tools", "'tools' is a string but")
     if not isinstance(t, list) or not all(isinstance(x, dict) for x in t):
         raise _Bad("bad_tools", "'tools' is not a list of objects")
     return t or None  # [] -> None: templates test `if tools`, and some render a tool preamble for []
@@ -587,18 +594,7 @@ def plan_chunks(spec, rows_per_chunk: int) -> list[Chunk]:
 def _read_chunk(chunk: Chunk) -> Iterator[tuple[int, object]]:
     path = chunk.path
     if chunk.row_groups:
-        import pyarrow.parquet as pq
-
-        pf = pq.ParquetFile(path)
-        columns = [c for c in ("messages", "conversations", "tools", "system") if c in pf.schema_arrow.names]
-        if "messages" not in columns and "conversations" not in columns:
-            found = ", ".join(pf.schema_arrow.names)
-            raise UserError(f"{path}: no 'messages' or 'conversations' column (columns: {found})")
-        row = chunk.start
-        for batch in pf.iter_batches(batch_size=BATCH_ROWS, columns=columns, row_groups=list(chunk.row_groups)):
-            for r in batch.to_pylist():
-                yield row, r
-                row += 1
+        yield from _read_parquet(path, chunk.row_groups, chunk.start)
     elif chunk.stop is not None and Path(path).suffix.lower() == ".jsonl":
         with open(path, "rb") as f:
             f.seek(chunk.offset)

@@ -51,6 +51,15 @@ class PrepareSummary:
         self.untrusted_turns.update(other.untrusted_turns)
         self.bad_rows.merge(other.bad_rows)
 
+    @classmethod
+    def from_dict(cls, d: dict) -> "PrepareSummary":
+        """as_dict()'s inverse (the Ray Data prepare carries each chunk's counts as this JSON)."""
+        return cls(conversations=d["conversations"], samples=d["samples"], tokens=d["tokens"],
+                   supervised_tokens=d["supervised_tokens"], shards=d["shards"],
+                   per_turn_conversations=d["per_turn_conversations"], dropped=Counter(d["dropped"]),
+                   untrusted_turns=Counter(d["untrusted_turns"]), bad_rows=BadRows.from_dict(d["bad_rows"]),
+                   output=d["output"])
+
     def as_dict(self) -> dict:
         return {"conversations": self.conversations, "samples": self.samples, "tokens": self.tokens,
                 "supervised_tokens": self.supervised_tokens, "shards": self.shards,

@@ -150,17 +150,13 @@ def memory_report(plan, target: dict, *, draft_layers: int, layer_ids: list[int]
     target_shape = Shape.of(target)
     shape = target_shape.drafter(**(drafter_sizes or {}))
     taps = len(layer_ids)
-    peaks = plan_drafter_peaks(plan, shape, draft_layers=draft_layers, taps=taps, gpu=use_gpu,
+    parts = plan_drafter_parts(plan, shape, draft_layers=draft_layers, taps=taps, gpu=use_gpu,
                                frozen_bytes=stored_bytes if use_gpu else 4, checkpoint_layers=checkpoint_layers)
+    peaks = np.array([p["total"] for p in parts])
     worst = int(np.argmax(peaks))
+    drafter = parts[worst]
     trained, _ = plan.drafter_anchors()
     block = plan.plan_spec.block_size
-    rows = np.diff(plan.offsets)
-    queries = block * np.ceil(trained[worst] / rows[worst])
-    drafter = drafter_step_memory(
-        shape, draft_layers=draft_layers, taps=taps, block_tokens=int(trained[worst]) * block,
-        context_tokens=int(plan.padded_tokens()[worst]), gpu=use_gpu, frozen_bytes=stored_bytes if use_gpu else 4,
-        checkpoint_layers=checkpoint_layers, mask_pairs=int(rows[worst] * queries * (plan.max_len[worst] + queries)))
     by_bucket = [float(peaks[plan.bucket == b].max()) for b in range(len(plan.plan_spec.boundaries))
                  if (plan.bucket == b).any()]
     target_mem = target_actor_memory(target_shape, last_tap=max(layer_ids), taps=taps,
@@ -193,9 +189,9 @@ def memory_report(plan, target: dict, *, draft_layers: int, layer_ids: list[int]
             "target": target_mem, "text": text + warnings, "warnings": warnings}
 
 
-def plan_drafter_peaks(plan, shape: Shape, *, draft_layers: int, taps: int, gpu: bool, frozen_bytes: int,
-                       checkpoint_layers: bool) -> np.ndarray:
-    """The estimated drafter peak (bytes) of every batch of a plan: its trained anchors x block size,
+def plan_drafter_parts(plan, shape: Shape, *, draft_layers: int, taps: int, gpu: bool, frozen_bytes: int,
+                       checkpoint_layers: bool) -> list[dict]:
+    """drafter_step_memory of every batch of a plan: its trained anchors x block size,
     its padded context tokens, and (CPU) its dense mask, rows x queries x keys with the anchors spread
     evenly over the rows."""
     trained, _ = plan.drafter_anchors()
@@ -204,7 +200,7 @@ def plan_drafter_peaks(plan, shape: Shape, *, draft_layers: int, taps: int, gpu:
     queries = block * np.ceil(trained / rows)
     pairs = rows * queries * (plan.max_len + queries)
     padded = plan.padded_tokens()
-    return np.array([drafter_step_memory(shape, draft_layers=draft_layers, taps=taps, block_tokens=int(t) * block,
-                                         context_tokens=int(c), gpu=gpu, frozen_bytes=frozen_bytes,
-                                         checkpoint_layers=checkpoint_layers, mask_pairs=int(m))["total"]
-                     for t, c, m in zip(trained, padded, pairs)])
+    return [drafter_step_memory(shape, draft_layers=draft_layers, taps=taps, block_tokens=int(t) * block,
+                                context_tokens=int(c), gpu=gpu, frozen_bytes=frozen_bytes,
+                                checkpoint_layers=checkpoint_layers, mask_pairs=int(m))
+            for t, c, m in zip(trained, padded, pairs)]

@@ -45,7 +45,7 @@ class PrepareChunk:
             except UserError as e:  # a whole-file problem (unreadable data, no conversation column)
                 empty = rows_table({n: [] for n in PREPARED_SCHEMA.names})
                 table, summary, error = empty, PrepareSummary(), str(e)
-            state = {**_summary_state(summary), "order": [d["base"], d["start"]], "error": error}
+            state = {**summary.as_dict(), "order": [d["base"], d["start"]], "error": error}
             counts = pa.table({"sample_id": pa.array([-1], pa.int64()),
                                "input_ids": pa.array([[]], pa.list_(pa.int32())),
                                "loss_mask": pa.array([[]], pa.list_(pa.int8())),
@@ -53,27 +53,6 @@ class PrepareChunk:
                                COUNTS: [json.dumps(state)]})
             tables += [table.append_column(COUNTS, pa.array([""] * table.num_rows, pa.string())), counts]
         return pa.concat_tables(tables)
-
-
-def _summary_state(s: PrepareSummary) -> dict:
-    return {"conversations": s.conversations, "samples": s.samples, "tokens": s.tokens,
-            "supervised_tokens": s.supervised_tokens, "per_turn_conversations": s.per_turn_conversations,
-            "dropped": dict(s.dropped), "untrusted_turns": dict(s.untrusted_turns),
-            "bad_counts": dict(s.bad_rows.counts),
-            "bad_first": {k: [list(x) for x in v] for k, v in s.bad_rows.first.items()},
-            "bad_messages": dict(s.bad_rows.messages)}
-
-
-def _summary_from_state(state: dict) -> PrepareSummary:
-    s = PrepareSummary()
-    for name in ("conversations", "samples", "tokens", "supervised_tokens", "per_turn_conversations"):
-        setattr(s, name, state[name])
-    s.dropped.update(state["dropped"])
-    s.untrusted_turns.update(state["untrusted_turns"])
-    s.bad_rows.counts.update(state["bad_counts"])
-    s.bad_rows.first.update({k: [tuple(x) for x in v] for k, v in state["bad_first"].items()})
-    s.bad_rows.messages.update(state["bad_messages"])
-    return s
 
 
 def prepare_on_ray(input_path, tokenizer_path: str, output: str, *, rows_per_task: int = 2000,
@@ -104,7 +83,7 @@ def prepare_on_ray(input_path, tokenizer_path: str, output: str, *, rows_per_tas
     for state in states:
         if state.get("error"):  # the driver raises it, in input order, as the single-process path would
             raise UserError(state["error"])
-        part = _summary_from_state(state)
+        part = PrepareSummary.from_dict(state)
         if opts.on_bad_row == "fail" and part.bad_rows.bad_rows:
             first = min((rows[0][1], reason) for reason, rows in part.bad_rows.first.items())[1]
             raise UserError(part.bad_rows.messages[first])
