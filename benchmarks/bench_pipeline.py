@@ -37,7 +37,8 @@ def plain_loop(run_spec, steps: int, threads: int) -> dict:
     from dflash_ray.data.shards import read_all
     from dflash_ray.model.target import load_feature_extractor
     from dflash_ray.runtime.feed import Cursor, build_feed
-    from dflash_ray.runtime.pipeline import TokenStore, target_context
+    from dflash_ray.runtime.pipeline import target_context
+    from dflash_ray.runtime.token_store import TokenStore
     from dflash_ray.runtime.rows import FILLER, TrainRow, token_row
     from dflash_ray.runtime.step import LossModule, build_run_drafter, make_optimizer, train_step
 

@@ -221,13 +221,13 @@ def test_plan_command_prints_capacity(tmp_path, tiny_data, capsys):
 
 
 def test_token_store_pads_and_truncates():
-    from dflash_ray.runtime.pipeline import TokenStore
+    from dflash_ray.runtime.token_store import TokenStore
 
     table = pa.table({"sample_id": pa.array([7, 3], pa.int64()),
                       "input_ids": pa.array([[1, 2, 3, 4], [5, 6]], pa.list_(pa.int32())),
                       "loss_mask": pa.array([[0, 1, 1, 1], [1, 1]], pa.list_(pa.int8())),
                       "num_tokens": pa.array([4, 2], pa.int32())})
-    store = TokenStore(**TokenStore.from_table(table).arrays())
+    store = TokenStore.from_table(table, rows_per_block=1)   # two blocks
     ids, mask = store.batch(np.array([7, 3]), np.array([3, 2]), pad_id=0)   # sample 7 truncated to 3
     assert ids.tolist() == [[1, 2, 3], [5, 6, 0]] and mask.tolist() == [[0, 1, 1], [1, 1, 0]]
     with pytest.raises(KeyError):

@@ -170,34 +170,38 @@ def _check_unique(sample_ids: np.ndarray, files: list[tuple[Path, int]]) -> None
     raise UserError(f"{p2}: row {r2}: duplicate sample_id {int(sample_ids[second])} (first seen in {p1} row {r1})")
 
 
-def validate_tokens(path: Path, t: pa.Table, vocab_size: int | None) -> None:
-    """Per-row checks of the token columns: lengths agree with num_tokens, ids in range, mask 0/1."""
+def validate_tokens(path: Path, t: pa.Table, vocab_size: int | None, row_names=None) -> None:
+    """Per-row checks of the token columns: lengths agree with num_tokens, ids in range, mask 0/1.
+    Messages name the row of `t`, or `sample_id <row_names[r]>` where given (a part of a shard)."""
+    def row(r) -> str:
+        return f"row {r}" if row_names is None else f"sample_id {row_names[r]}"
+
     ids, mask = t.column("input_ids"), t.column("loss_mask")
     n_ids = pc.list_value_length(ids).to_numpy(zero_copy_only=False)
     n_mask = pc.list_value_length(mask).to_numpy(zero_copy_only=False)
     nt = t.column("num_tokens").to_numpy().astype(np.int64)
     if (n_ids != n_mask).any():
         r = _first_row(n_ids != n_mask)
-        raise UserError(f"{path}: row {r}: input_ids has {n_ids[r]} tokens but loss_mask has {n_mask[r]}")
+        raise UserError(f"{path}: {row(r)}: input_ids has {n_ids[r]} tokens but loss_mask has {n_mask[r]}")
     if (n_ids != nt).any():
         r = _first_row(n_ids != nt)
-        raise UserError(f"{path}: row {r}: num_tokens is {nt[r]} but input_ids has {n_ids[r]} tokens")
+        raise UserError(f"{path}: {row(r)}: num_tokens is {nt[r]} but input_ids has {n_ids[r]} tokens")
     row_of = np.repeat(np.arange(t.num_rows), n_ids)
     flat = pc.list_flatten(ids).to_numpy(zero_copy_only=False).astype(np.int64)
     if flat.size and flat.min() < 0:
-        raise UserError(f"{path}: row {row_of[_first_row(flat < 0)]}: negative token id {flat.min()}")
+        raise UserError(f"{path}: {row(row_of[_first_row(flat < 0)])}: negative token id {flat.min()}")
     if vocab_size is not None and flat.size and flat.max() >= vocab_size:
         bad = _first_row(flat >= vocab_size)
-        raise UserError(f"{path}: row {row_of[bad]}: token id {flat[bad]} is out of vocabulary (size {vocab_size})")
+        raise UserError(f"{path}: {row(row_of[bad])}: token id {flat[bad]} is out of vocabulary (size {vocab_size})")
     fm = pc.list_flatten(mask).to_numpy(zero_copy_only=False)
     if fm.size and ((fm != 0) & (fm != 1)).any():
-        raise UserError(f"{path}: row {row_of[_first_row((fm != 0) & (fm != 1))]}: loss_mask values must be 0 or 1")
+        raise UserError(f"{path}: {row(row_of[_first_row((fm != 0) & (fm != 1))])}: loss_mask values must be 0 or 1")
     if SUPERVISED in t.column_names:
         sums = np.bincount(row_of, weights=fm, minlength=t.num_rows).astype(np.int64)
         ns = t.column(SUPERVISED).to_numpy(zero_copy_only=False).astype(np.int64)
         if (sums != ns).any():
             r = _first_row(sums != ns)
-            raise UserError(f"{path}: row {r}: {SUPERVISED} is {ns[r]} but loss_mask has {sums[r]} ones")
+            raise UserError(f"{path}: {row(r)}: {SUPERVISED} is {ns[r]} but loss_mask has {sums[r]} ones")
 
 
 def iter_validated(directory, vocab_size: int | None = None):

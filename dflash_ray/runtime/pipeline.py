@@ -9,8 +9,8 @@
 
 `DatasetFactory` is handed to `TorchTrainer(datasets={"train": factory})`: Ray Train calls it each time
 the worker group (re)starts, so a restarted group gets a fresh stream that starts at the checkpoint's
-cursor. The token table is put in the object store once by the driver; every join task maps it
-zero-copy from shared memory.
+cursor. The tokens live in the token store (token_store.py): blocks Ray Data read from the shards,
+spread over the object stores; the driver puts only their index.
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import time
 import numpy as np
 
 from dflash_ray.runtime.rows import FEED_COLUMNS, FEED_SCALARS, encode_features, token_row
+from dflash_ray.runtime.token_store import TokenStore
 
 
 class _Ref:
@@ -42,43 +43,6 @@ def _get(holder: _Ref):
                 del _CACHE[k]
         _CACHE[key] = ray.get(holder.ref)
     return _CACHE[key]
-
-
-class TokenStore:
-    """All samples' tokens as flat numpy arrays sorted by sample_id, with lookups by id. The arrays go
-    into the object store once (driver); every process maps them zero-copy."""
-
-    def __init__(self, ids, offsets, tokens, mask):
-        self.ids, self.offsets, self.tokens, self.mask = ids, offsets, tokens, mask
-
-    @classmethod
-    def from_table(cls, table) -> "TokenStore":
-        import pyarrow.compute as pc
-
-        table = table.take(pc.sort_indices(table, sort_keys=[("sample_id", "ascending")]))
-        ids_col = table.column("input_ids").combine_chunks()
-        mask_col = table.column("loss_mask").combine_chunks()
-        offsets = ids_col.offsets.to_numpy().astype(np.int64)
-        base = offsets[0]
-        return cls(table.column("sample_id").to_numpy().astype(np.int64), offsets - base,
-                   ids_col.values.to_numpy()[base:], mask_col.values.to_numpy()[base:])
-
-    def arrays(self) -> dict:
-        return {"ids": self.ids, "offsets": self.offsets, "tokens": self.tokens, "mask": self.mask}
-
-    def batch(self, sample_ids, lengths, pad_id: int):
-        rows = np.searchsorted(self.ids, sample_ids)
-        if (rows >= self.ids.size).any() or (self.ids[np.minimum(rows, self.ids.size - 1)] != sample_ids).any():
-            missing = [int(s) for s, r in zip(sample_ids, rows) if r >= self.ids.size or self.ids[r] != s]
-            raise KeyError(f"sample ids not in the shards: {missing[:5]}")
-        width = int(max(lengths))
-        ids = np.full((len(rows), width), pad_id, np.int32)
-        mask = np.zeros((len(rows), width), np.int8)
-        for i, (r, n) in enumerate(zip(rows, lengths)):
-            a = self.offsets[r]
-            ids[i, :n] = self.tokens[a:a + n]
-            mask[i, :n] = self.mask[a:a + n]
-        return ids, mask
 
 
 def join_tokens(batch: dict, *, feed: _Ref, tokens: _Ref, coordinator: str, namespace: str, gen: int,

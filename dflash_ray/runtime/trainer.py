@@ -41,10 +41,10 @@ def fit(run_spec, num_buckets: int, *, progress: bool = True) -> FitOutcome:
     from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from dflash_ray.data.shards import read_all
     from dflash_ray.runtime.cluster import start_coordinator
     from dflash_ray.runtime.loop import faults_for_tests, train_loop_per_worker
-    from dflash_ray.runtime.pipeline import DatasetFactory, TokenStore
+    from dflash_ray.runtime.pipeline import DatasetFactory
+    from dflash_ray.runtime.token_store import build_token_store
     from dflash_ray.runtime.progress import Progress
 
     run_spec = _fresh_coordinator(run_spec)
@@ -54,7 +54,9 @@ def fit(run_spec, num_buckets: int, *, progress: bool = True) -> FitOutcome:
                         f"{t.max_nonfinite_steps}")
     coord = start_coordinator(run_spec, num_buckets)
     t0 = time.time()
-    tokens_ref = ray.put(TokenStore.from_table(read_all(run_spec.shards, run_spec.vocab_size)).arrays())
+    store, store_info = build_token_store(run_spec.shards, run_spec.vocab_size, block_mb=c.token_block_mb,
+                                          cache_mb=c.token_cache_mb)
+    tokens_ref = ray.put(store)
     data_ctx = DataContext.get_current()
     data_ctx.enable_progress_bars = False  # our own progress line says what matters; Ray Data's bars flood job logs
     exec_opts = data_ctx.execution_options
@@ -81,6 +83,7 @@ def fit(run_spec, num_buckets: int, *, progress: bool = True) -> FitOutcome:
             except TrainingFailedError as e:  # Ray Train gave up: after train.max_failures restarts
                 failure = e
         report = ray.get(coord.report.remote())
+        report["token_store"] = store_info.as_dict()
         ray.get(coord.close.remote())
     finally:
         ray.kill(coord)  # the name is free for a rerun of this run from this process
