@@ -188,7 +188,7 @@ def plan_command(cfg, args) -> int:
         check_shards(require(cfg, "data.shards"), cfg.data.vocab_size)
     plan = plan_from_config(cfg)
     summary = plan.summary()
-    capacity = capacity_report(cfg, summary)
+    capacity = capacity_report(cfg, summary, feature_bytes_per_token(cfg))
     memory = plan_memory(cfg, plan)
     if args.dump:
         write_table_atomic(plan.to_arrow().drop_columns(["num_tokens"]), args.dump)
@@ -202,6 +202,21 @@ def plan_command(cfg, args) -> int:
         if args.dump:
             print(f"plan written to {args.dump}")
     return 0
+
+
+def feature_bytes_per_token(cfg) -> float | None:
+    """Bytes of the target's features per token as they travel (hidden x tapped layers; bf16 on GPUs,
+    fp32 on CPUs); None when the target's shape is unknown."""
+    from dflash_ray.data.plan import target_fields
+    from dflash_ray.model.target import default_target_layer_ids
+
+    target = target_fields(cfg)
+    text = (target or {}).get("text_config", target or {})
+    if "hidden_size" not in text:
+        return None
+    m = cfg.model
+    taps = len(m.target_layer_ids or default_target_layer_ids(int(text["num_hidden_layers"]), int(m.num_draft_layers)))
+    return float(text["hidden_size"]) * taps * (2 if cfg.cluster.use_gpu else 4)
 
 
 def plan_memory(cfg, plan) -> dict:

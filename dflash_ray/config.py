@@ -91,6 +91,7 @@ class ClusterConfig:
     target_gpus: float = 1.0         # GPU share of each target actor (use_gpu; < 1 shares a GPU)
     drafter_gpus: float = 1.0        # GPU share of each drafter worker (use_gpu; < 1 shares a GPU)
     max_batches_in_flight: int = 4
+    nodes: int = 1                   # nodes the cluster has (the capacity model's per-node split; the runtime sees them)
     token_block_mb: float = 8.0      # the token store's blocks (Ray Data, in the object stores): the transfer unit
     token_cache_mb: float = 256.0    # blocks each join process keeps (LRU)
     device_memory_gb: float = 139.0  # GiB per GPU, as torch.cuda reports it (H200: ~139); the memory model's bound

@@ -58,7 +58,29 @@ def _rates(cfg) -> tuple[float, float, str]:
             "seed-run estimate: 25.3K tokens/s on 6 target + 2 drafter GPUs, assumed balanced")
 
 
-def capacity_report(cfg, plan_summary: dict) -> dict:
+def node_split(nodes: int, gpus_per_node: int, target_workers: int, drafter_workers: int,
+               target_rate: float, drafter_rate: float, feature_bytes_per_token: float | None) -> dict:
+    """The placement the runtime chooses on `nodes` equal nodes (pipeline.DatasetFactory.splits): trainer
+    workers spread evenly (Ray Train's SPREAD), target actors shared out in proportion to each node's
+    trainers within the node's free GPUs; each node's stream runs at min(t*T, d*D). Cross-node feature
+    traffic: none with node-local streams; for comparison, one stream over all nodes would carry the
+    features of every batch whose target actor is on another node than its trainer (1 - sum_i
+    d_i/D * t_i/T of them, a row's actor being any of the T with equal chance)."""
+    d = [drafter_workers // nodes + (1 if i < drafter_workers % nodes else 0) for i in range(nodes)]
+    t = [min(max(1, round(target_workers * di / drafter_workers)) if di else 0, gpus_per_node - di) for di in d]
+    per_node = [{"node": i, "drafter": di, "target": ti, "idle_gpus": gpus_per_node - di - ti,
+                 "tokens_per_second": min(ti * target_rate, di * drafter_rate)} for i, (di, ti) in enumerate(zip(d, t))]
+    total = sum(n["tokens_per_second"] for n in per_node)
+    local = sum(di / drafter_workers * ti / max(sum(t), 1) for di, ti in zip(d, t))
+    one_stream = min(sum(t) * target_rate, drafter_workers * drafter_rate)
+    fb = feature_bytes_per_token
+    return {"nodes": per_node, "tokens_per_second": total, "cross_node_bytes_per_second": 0.0,
+            "one_stream_cross_node_fraction": 1 - local,
+            "one_stream_cross_node_bytes_per_second": (1 - local) * one_stream * fb if fb else None,
+            "feature_bytes_per_token": fb}
+
+
+def capacity_report(cfg, plan_summary: dict, feature_bytes_per_token: float | None = None) -> dict:
     c = cfg.cluster
     n = int(c.target_workers) + int(c.drafter_workers)
     unit = "GPUs" if c.use_gpu else "devices (CPU actors)"
@@ -82,6 +104,24 @@ def capacity_report(cfg, plan_summary: dict) -> dict:
     if tokens:
         text.append(f"  one epoch ({tokens:,} tokens): {_duration(cap['epoch_hours_configured'])} configured, "
                     f"{_duration(cap['epoch_hours_best'])} at the best split")
+    nodes = int(c.get("nodes") or 1)
+    if nodes > 1:
+        per = n // nodes
+        split = node_split(nodes, per, int(c.target_workers), int(c.drafter_workers), t_rate, d_rate,
+                           feature_bytes_per_token)
+        cap["per_node"] = split
+        text.append(f"  per node ({nodes} nodes x {per} {unit.split(' ')[0]}; trainers spread, each node's target "
+                    f"actors feed its own trainers):")
+        for nd in split["nodes"]:
+            idle = f" + {nd['idle_gpus']} idle" if nd["idle_gpus"] else ""
+            text.append(f"    node {nd['node']}: {nd['target']} target + {nd['drafter']} drafter{idle}: "
+                        f"{nd['tokens_per_second']:,.0f} tokens/s")
+        fb = split["feature_bytes_per_token"]
+        one = (f"{split['one_stream_cross_node_bytes_per_second'] / 1e9:,.2f} GB/s" if fb else "unknown bytes")
+        text.append(f"  cross-node feature traffic: 0 B/s with node-local streams ({split['tokens_per_second']:,.0f} "
+                    f"tokens/s in all); one stream over all nodes would move "
+                    f"{100 * split['one_stream_cross_node_fraction']:.0f}% of the batches' features across nodes "
+                    f"({one}{f' at {fb / 1e3:,.1f} KB per token' if fb else ''})")
     return {"capacity": cap, "text": text}
 
 

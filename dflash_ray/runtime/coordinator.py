@@ -78,6 +78,9 @@ class RunCoordinator:
         self.target_restarts = 0
         self.workers: dict[int, dict] = {}
         self.last: dict = {}
+        self.rank_nodes: list = []    # node of each trainer rank (the current stream's worker group)
+        self.placement: list = []     # per node group: ranks and target actors (pipeline.DatasetFactory.splits)
+        self.features = {"rows": 0, "bytes": 0, "cross_node_rows": 0, "cross_node_bytes": 0}
         self.evals: list[dict] = read_jsonl(self.dir / EVALS)   # a resumed run's earlier ones count for best/
         self.evals_running = 0
         self.total_steps = 0
@@ -97,8 +100,10 @@ class RunCoordinator:
             self.tb = SummaryWriter(str(self.dir / "tensorboard"))
 
     # ------------------------------------------------------------ flight window
-    async def reset_feed(self, total_steps: int, cursor: dict, batches_per_step: int, schedule_steps: int = 0) -> int:
-        """A new Ray Data stream starts (first start or a restart): a new generation of row indices."""
+    async def reset_feed(self, total_steps: int, cursor: dict, batches_per_step: int, schedule_steps: int = 0,
+                         rank_nodes: list | None = None, placement: list | None = None) -> int:
+        """A new Ray Data stream starts (first start or a restart): a new generation of row indices.
+        rank_nodes: the node of each trainer rank; placement: the node streams (for the report)."""
         async with self.cond:
             self.gen += 1
             self.consumed, self.admitted = 0, -1
@@ -110,6 +115,10 @@ class RunCoordinator:
             self._mark(f"feed_{self.gen}")
             return self.gen
 
+            self.rank_nodes = list(rank_nodes or [])
+            if placement is not None:
+                self.placement = list(placement)
+                self._event("streams", gen=self.gen + 1, placement=self.placement)
     def _mark(self, what: str) -> None:
         self.timeline.setdefault(what, round(time.time() - self.started, 3))
 
@@ -162,6 +171,14 @@ class RunCoordinator:
             b[1] += busy_s
         tags = {"run": self.run_name, "actor": key}
         self.metrics.target_batches.inc(1, tags=tags)
+        if index >= 0 and self.rank_nodes:
+            # the rank that trains feed row `index` (feed.rank_rows) and its node: do the features cross?
+            f = self.features
+            f["rows"] += 1
+            f["bytes"] += int(nbytes)
+            if t.get("node") and t["node"] != self.rank_nodes[index % len(self.rank_nodes)]:
+                f["cross_node_rows"] += 1
+                f["cross_node_bytes"] += int(nbytes)
         self.metrics.target_busy.inc(max(busy_s, 0.0), tags=tags)
         life = max(time.time() - t["started"], 1e-9)
         self.metrics.idle.set(max(0.0, 1.0 - t["busy_s"] / life), tags=tags)
@@ -356,7 +373,7 @@ class RunCoordinator:
                 "failures_survived": self.failures_survived(), "rolled_back_steps": self.rolled_back_steps,
                 "attempts": self.attempts, "max_batches_in_flight": self.max_in_flight, "window": self.window,
                 "targets": targets, "checkpoints": self.checkpoints, "checkpoint_cost": self.checkpoint_cost(),
-                "last": self.last,
+                "last": self.last, "placement": self.placement, "feature_traffic": dict(self.features),
                 "timeline": self.timeline, "evals": self.evals, "stopped": self.stopped}
 
     def close(self) -> None:

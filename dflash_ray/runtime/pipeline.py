@@ -7,10 +7,11 @@
                                                         CPU machines): context features of the tapped layers
       -> streaming_split(workers) inside Ray Train      order preserved, one-row blocks: round-robin
 
-`DatasetFactory` is handed to `TorchTrainer(datasets={"train": factory})`: Ray Train calls it each time
-the worker group (re)starts, so a restarted group gets a fresh stream that starts at the checkpoint's
-cursor. The tokens live in the token store (token_store.py): blocks Ray Data read from the shards,
-spread over the object stores; the driver puts only their index.
+`DatasetFactory.splits` builds the streams each time the worker group (re)starts (Ray Train calls it
+through data_config.NodeLocalDataConfig), so a restarted group gets fresh streams that start at the
+checkpoint's cursor: one per node that hosts trainer workers, with target actors on that node. The
+tokens live in the token store (token_store.py): blocks Ray Data read from the shards, spread over the
+object stores; the driver puts only their index.
 """
 from __future__ import annotations
 
@@ -46,11 +47,13 @@ def _get(holder: _Ref):
 
 
 def join_tokens(batch: dict, *, feed: _Ref, tokens: _Ref, coordinator: str, namespace: str, gen: int,
-                pad_id: int, block_size: int) -> dict:
-    """One feed row -> one batch of right-padded tokens (after the flight window admits it)."""
+                pad_id: int, block_size: int, ranks: tuple = (), world: int = 0) -> dict:
+    """One feed row -> one batch of right-padded tokens (after the flight window admits it). A node's
+    stream (ranks = the ranks on the node, world = all ranks) numbers its rows k = 0, 1, ...: its k-th row
+    is feed row (k // len(ranks)) * world + ranks[k % len(ranks)], the k-th row its ranks train."""
     import ray
 
-    index = int(batch["id"][0])
+    index = node_row(int(batch["id"][0]), ranks, world)
     key = ("actor", coordinator, namespace)
     if key not in _CACHE:
         _CACHE[key] = ray.get_actor(coordinator, namespace=namespace)
@@ -65,6 +68,13 @@ def join_tokens(batch: dict, *, feed: _Ref, tokens: _Ref, coordinator: str, name
         lengths = np.asarray(row["lengths"], np.int64)
         ids, mask = store.batch(np.asarray(row["sample_ids"], np.int64), lengths, pad_id)
     return token_row({k: row[k] for k in FEED_SCALARS}, gen, ids, mask, lengths)
+
+
+def node_row(k: int, ranks: tuple, world: int) -> int:
+    """The feed row index of a node stream's k-th row (the identity for the one stream of all ranks)."""
+    if not ranks:
+        return k
+    return (k // len(ranks)) * world + ranks[k % len(ranks)]
 
 
 def target_context(extract, input_ids: np.ndarray, lengths: np.ndarray, device) -> tuple[np.ndarray, str]:
@@ -109,15 +119,24 @@ class TargetForward:
         else:
             feats, dtype = target_context(self.extract, batch["input_ids"][0], batch["lengths"][0], self.device)
         self.coord.target_batch.remote(self.key, time.perf_counter() - t0, int(batch["num_tokens"][0]),
-                                       int(batch["bucket"][0]))
+                                       int(batch["bucket"][0]), int(batch["index"][0]), int(feats.nbytes))
         batch["context"] = feats[None]
         batch["context_dtype"] = np.array([dtype])
         return batch
 
 
 class DatasetFactory:
-    """Called by Ray Train (in its controller) each time the worker group starts: the stream of the
-    remaining steps from the latest registered checkpoint's cursor."""
+    """Builds the stream each time the worker group starts (Ray Train calls `NodeLocalDataConfig.configure`,
+    with the nodes the workers landed on): the remaining steps from the latest registered checkpoint's cursor.
+
+    Node-local features: the target's features are the big part of a row (Qwen3-8B, 5 tapped layers, bf16:
+    ~40 KB per token). So each node that hosts trainer workers gets a stream of its own: the feed rows its
+    ranks train (rank r trains rows i with i % world == r, as feed.rank_rows says), joined and run through
+    target actors placed on that node, split round-robin over its ranks. Features never leave the node
+    that computed them; the global plan, each rank's rows and the ledger are unchanged. The target actors
+    are shared out in proportion to each node's ranks, within what the node can host; when a node with
+    trainers can host none, the run falls back to one stream of all rows over actors anywhere (features
+    then cross nodes; the coordinator counts those bytes)."""
 
     def __init__(self, run_spec, tokens_ref, experiment_dir: str):
         self.run_spec = run_spec
@@ -139,31 +158,102 @@ class DatasetFactory:
 
         return build_feed(plan_for, cursor, s.batches_per_step, s.train.epochs, s.train.max_steps)
 
-    def __call__(self):
+    def splits(self, world_size: int, worker_node_ids: list) -> list:
+        """One iterator per rank, rank r's rows in order."""
         import ray
-        from ray.data import ActorPoolStrategy
 
-        s, c = self.run_spec, self.run_spec.cluster
+        s = self.run_spec
+        everywhere = [(None, tuple(range(world_size)))]
+        groups = node_groups(worker_node_ids) if worker_node_ids else everywhere
+        if len(groups) == 1:
+            groups = everywhere   # one node: no pinning (its actors may go wherever there is room)
+        resources = _node_resources()
+        shares = target_shares(s.cluster, groups, world_size, resources)
+        if shares is None and len(groups) > 1:   # a node with trainers can host no target actor
+            groups, shares = everywhere, target_shares(s.cluster, everywhere, world_size, resources)
+        if shares is None:
+            raise RuntimeError(f"no node can host a target actor now (cluster.target_workers="
+                               f"{s.cluster.target_workers}): nodes {resources}")
         feed = self.feed()
         coord = ray.get_actor(s.coordinator, namespace=s.namespace)
+        placement = [{"node": node, "ranks": list(ranks), "target_actors": k} for (node, ranks), k in zip(groups, shares)]
         gen = ray.get(coord.reset_feed.remote(feed.total_steps, feed.cursor.as_dict(), s.batches_per_step,
-                                             feed.schedule_steps))
+                                             feed.schedule_steps, list(worker_node_ids or []), placement))
         feed_ref = ray.put(feed.table)
-        n = max(feed.num_rows, 1)
-        ds = ray.data.range(n, override_num_blocks=n)
-        if feed.num_rows == 0:
+        out = [None] * world_size
+        for (node, ranks), k in zip(groups, shares):
+            ds = self.stream(feed_ref, feed.num_rows, gen, node, ranks if node is not None else (), world_size, k)
+            ds.context.execution_options.preserve_order = True   # one-row blocks: round-robin over the ranks
+            for r, it in zip(ranks, ds.streaming_split(len(ranks), equal=True)):
+                out[r] = {"train": it}
+        return out
+
+    def stream(self, feed_ref, num_rows: int, gen: int, node, ranks: tuple, world: int, target_actors: int):
+        """The Ray Data stream of one node's rows (all rows: node None, ranks ())."""
+        import ray
+        from ray.data import ActorPoolStrategy
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        s, c = self.run_spec, self.run_spec.cluster
+        n = num_rows * len(ranks) // world if ranks else num_rows
+        ds = ray.data.range(max(n, 1), override_num_blocks=max(n, 1))
+        if n == 0:
             return ds.limit(0)
+        pin = {} if node is None else {"scheduling_strategy": NodeAffinitySchedulingStrategy(node, soft=False)}
         ds = ds.map_batches(
             join_tokens, batch_size=1, num_cpus=0.25, concurrency=2,
             fn_kwargs=dict(feed=_Ref(feed_ref), tokens=self.tokens, coordinator=s.coordinator,
-                           namespace=s.namespace, gen=gen, pad_id=s.pad_token_id, block_size=s.drafter.block_size))
+                           namespace=s.namespace, gen=gen, pad_id=s.pad_token_id, block_size=s.drafter.block_size,
+                           ranks=tuple(ranks), world=world),
+            **pin)
         if c.use_gpu:
             res = dict(num_gpus=c.target_gpus, num_cpus=1)
         else:
             res = dict(num_cpus=0.5, resources={c.target_resource: 1})
         return ds.map_batches(
-            TargetForward, batch_size=1, compute=ActorPoolStrategy(size=c.target_workers),
+            TargetForward, batch_size=1, compute=ActorPoolStrategy(size=target_actors),
             fn_constructor_kwargs=dict(target_path=s.target_path, layer_ids=list(s.drafter.target_layer_ids),
                                        use_gpu=c.use_gpu, coordinator=s.coordinator, namespace=s.namespace,
                                        gpu_share=c.target_gpus),
-            **res)
+            **res, **pin)
+
+
+def node_groups(worker_node_ids: list) -> list[tuple]:
+    """(node, ranks on it) in order of each node's lowest rank."""
+    groups: dict = {}
+    for rank, node in enumerate(worker_node_ids):
+        groups.setdefault(node, []).append(rank)
+    return [(node, tuple(ranks)) for node, ranks in groups.items()]
+
+
+def target_shares(cluster, groups: list, world_size: int, resources: dict) -> list | None:
+    """Target actors per node group: cluster.target_workers in proportion to the group's ranks (at least
+    one), capped by what the node can host (its target resource, or its GPUs less its trainers' shares);
+    the one group of a single-node (or fallback) stream: target_workers capped by the whole cluster's
+    room. None when a group can host none (an actor pool that cannot start would wait forever).
+    resources: node id -> that node's total resources (alive nodes)."""
+    def room(total: dict, trainers: int) -> int:
+        if cluster.use_gpu:
+            free = total.get("GPU", 0.0) - trainers * float(cluster.drafter_gpus)
+            return int(free / float(cluster.target_gpus) + 1e-9)
+        return int(total.get(cluster.target_resource, 0.0) + 1e-9)
+
+    shares = []
+    for node, ranks in groups:
+        if node is None:   # anywhere: what all nodes together can host beside the trainers
+            have = sum(room(total, 0) for total in resources.values()) - \
+                (int(world_size * float(cluster.drafter_gpus) / float(cluster.target_gpus)) if cluster.use_gpu else 0)
+            want = int(cluster.target_workers)
+        else:
+            have = room(resources.get(node, {}), len(ranks))
+            want = max(1, round(int(cluster.target_workers) * len(ranks) / world_size))
+        if have < 1:
+            return None
+        shares.append(min(want, have))
+    return shares
+
+
+def _node_resources() -> dict:
+    import ray
+
+    return {n["NodeID"]: n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")}

@@ -38,12 +38,13 @@ def _fresh_coordinator(run_spec):
 def fit(run_spec, num_buckets: int, *, progress: bool = True) -> FitOutcome:
     import ray
     from ray.data import DataContext
-    from ray.train import CheckpointConfig, DataConfig, FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
+    from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from dflash_ray.runtime.cluster import start_coordinator
     from dflash_ray.runtime.loop import faults_for_tests, train_loop_per_worker
     from dflash_ray.runtime.pipeline import DatasetFactory
+    from dflash_ray.runtime.data_config import NodeLocalDataConfig
     from dflash_ray.runtime.token_store import build_token_store
     from dflash_ray.runtime.progress import Progress
 
@@ -66,14 +67,15 @@ def fit(run_spec, num_buckets: int, *, progress: bool = True) -> FitOutcome:
         # one torch thread per worker: measured best on CPUs; test_faults: {} outside tests/reliability
         train_loop_config={"spec": run_spec, "threads": 1, "test_faults": faults_for_tests()},
         torch_config=TorchConfig(backend="nccl" if c.use_gpu else "gloo"),
-        scaling_config=ScalingConfig(num_workers=c.drafter_workers, use_gpu=c.use_gpu,
+        # SPREAD: trainer workers over the nodes, so each node's target actors have trainers to feed
+        scaling_config=ScalingConfig(num_workers=c.drafter_workers, use_gpu=c.use_gpu, placement_strategy="SPREAD",
                                      resources_per_worker={"GPU": c.drafter_gpus, "CPU": 1} if c.use_gpu else {"CPU": 1}),
         run_config=RunConfig(
             name=run_spec.name, storage_path=run_spec.storage_path,
             checkpoint_config=CheckpointConfig(num_to_keep=t.num_to_keep),
             failure_config=FailureConfig(max_failures=t.max_failures)),
-        datasets={"train": DatasetFactory(run_spec, tokens_ref, run_spec.experiment_dir)},
-        dataset_config=DataConfig(execution_options=exec_opts),
+        datasets={"train": ray.data.range(1)},   # a placeholder: the streams are built per node by the config
+        dataset_config=NodeLocalDataConfig(DatasetFactory(run_spec, tokens_ref, run_spec.experiment_dir), exec_opts),
     )
     failure = result = None
     try:
