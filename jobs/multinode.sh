@@ -4,8 +4,10 @@
 #   workers: scripts/ray-start.sh --address=<head-ip>:6379
 #   jobs/multinode.sh model.target_path=/shared/Qwen3-8B data.tokenizer=/shared/Qwen3-8B data.shards=/shared/shards \
 #       train.storage_path=/shared/ray_train   # or s3://bucket/prefix
+# Trainer workers are spread over the nodes and each node's target actors feed that node's trainers, so
+# the target's features never cross nodes (summary.json: placement, feature_traffic; docs/runtime.md).
 # Checkpoints must be on storage every node reaches (NFS or S3): a restarted worker group may land on
-# another node. The ledger, metrics.jsonl, summary.json and export/ are written on the head node
+# another node. tests/test_multinode.py submits this script to two raylets on one machine. The ledger, metrics.jsonl, summary.json and export/ are written on the head node
 # (under run.dir), by the run's coordinator actor and the driver.
 set -euo pipefail
 cd "$(dirname "$0")/.."
