@@ -331,7 +331,8 @@ def export_command(cfg, args) -> int:
     from dflash_ray.runtime.checkpoint import export_latest
     from dflash_ray.runtime.spec import resolve_spec
 
-    run_spec = resolve_spec(cfg, log=lambda *a, **k: None)
+    # the checkpoint and the drafter's shape only: the shards are not read (they may have changed or be gone)
+    run_spec = resolve_spec(cfg, log=lambda *a, **k: None, inputs=False)
     exported = export_latest(run_spec, dtype=args.dtype)
     if exported is None:
         raise UserError(f"{run_spec.experiment_dir}: no checkpoint to export (train the run first)")

@@ -59,8 +59,28 @@ def set_rng_state(state: dict) -> None:
 
 
 def write_rank_files(out_dir: Path, rank: int) -> None:
-    with open(out_dir / f"rng_rank{rank}.pt", "wb") as f:
-        pickle.dump(rng_state(), f)
+    try:
+        with open(out_dir / f"rng_rank{rank}.pt", "wb") as f:
+            pickle.dump(rng_state(), f)
+    except Exception as e:
+        raise local_write_error(out_dir, e) from e
+
+
+def local_write_error(out_dir: Path, e: Exception) -> OSError:
+    """An OSError naming the local checkpoint directory a write failed in, and the space left there: the
+    writers' own errors do not say where, nor that the disk is full (torch.save: `RuntimeError: [enforce
+    fail at inline_container.cc:672] . unexpected pos ...`). trainer.failure_error names the directory."""
+    import errno
+    import shutil
+
+    try:
+        free = shutil.disk_usage(out_dir).free
+    except OSError:
+        free = None
+    code = getattr(e, "errno", None) or (errno.ENOSPC if free is not None and free < (1 << 20) else errno.EIO)
+    space = f"{free / 2**20:.2f} MiB free there" if free is not None else "its free space unknown"
+    first = (str(e).strip().splitlines() or [""])[0]
+    return OSError(code, f"{out_dir}: {os.strerror(code)} ({space}); {type(e).__name__}: {first}")
 
 
 def write_checkpoint(out_dir: Path, *, drafter, optimizer, scheduler, cursor: Cursor, world_size: int,
@@ -70,18 +90,27 @@ def write_checkpoint(out_dir: Path, *, drafter, optimizer, scheduler, cursor: Cu
     checkpoint to kill a process in)."""
     from safetensors.torch import save_file
 
-    out_dir.mkdir(parents=True, exist_ok=True)
     module = getattr(drafter, "module", drafter)
     state = {k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()}
-    save_file(state, str(out_dir / WEIGHTS), metadata={"format": "pt"})
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        save_file(state, str(out_dir / WEIGHTS), metadata={"format": "pt"})
+    except Exception as e:
+        raise local_write_error(out_dir, e) from e
     if fault_pause is not None:
         fault_pause()
-    torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, out_dir / OPTIM)
+    try:
+        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, out_dir / OPTIM)
+    except Exception as e:
+        raise local_write_error(out_dir, e) from e
     write_rank_files(out_dir, 0)
     files = {name: (out_dir / name).stat().st_size for name in (WEIGHTS, OPTIM)}
     meta = {"cursor": cursor.as_dict(), "world_size": int(world_size), "files": files,
             "rank_files": [f"rng_rank{r}.pt" for r in range(world_size)], **(extra or {})}
-    write_json_atomic(out_dir / STATE, meta)
+    try:
+        write_json_atomic(out_dir / STATE, meta)
+    except Exception as e:
+        raise local_write_error(out_dir, e) from e
 
 
 class IncompleteCheckpoint(RuntimeError):
@@ -193,26 +222,43 @@ def dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
 
 
-def _timed_upload(on_uploaded, fault_pause=None):
+def _timed_upload(on_uploaded=None, fault_pause=None):
     """A `checkpoint_upload_fn` doing what Ray Train does by default (`StorageContext.
     persist_current_checkpoint`, ray/train/v2/_internal/execution/context.py `_upload_checkpoint`), timed:
     `on_uploaded(seconds)` runs after the copy, before Ray Train hands the report on (so before the
     checkpoint can be registered). None (Ray's own upload, untimed) where the storage context is not
-    reachable (`get_storage` is a DeveloperAPI)."""
+    reachable (`get_storage` is a DeveloperAPI).
+
+    An upload that fails (a full disk, a storage refusing writes) removes what it left of the checkpoint's
+    directory (never registered: this rank never reports it; a partial copy would only keep the disk full
+    for the retry, and stay as garbage), and raises an OSError naming the destination (pyarrow's "Error
+    writing bytes to file ... No space left on device" does not), which trainer.failure_error names as
+    train.storage_path."""
     import ray.train
 
     try:
         storage = ray.train.get_context().get_storage()
         persist = storage.persist_current_checkpoint
+        fs, where = storage.storage_filesystem, storage.build_checkpoint_path_from_name
     except Exception:  # pragma: no cover - another Ray version
         return None
 
     def upload(checkpoint, checkpoint_dir_name):
         t0 = time.perf_counter()
-        persisted = persist(checkpoint, checkpoint_dir_name)
+        try:
+            persisted = persist(checkpoint, checkpoint_dir_name)
+        except OSError as e:
+            dest = where(checkpoint_dir_name)
+            with contextlib.suppress(Exception):
+                fs.delete_dir(dest)
+            if dest in str(e):
+                raise
+            said = (str(e.strerror or e).strip().splitlines() or [""])[0]
+            raise OSError(e.errno, f"{dest}: {said}") from e
         if fault_pause is not None:  # test-only: the files are in storage, the checkpoint is not registered
             fault_pause()
-        on_uploaded(time.perf_counter() - t0)
+        if on_uploaded is not None:
+            on_uploaded(time.perf_counter() - t0)
         return persisted
 
     return upload
@@ -288,8 +334,9 @@ def save_checkpoint(*, rank: int, world_size: int, drafter, optimizer, scheduler
         else:
             write_rank_files(tmp, rank)
 
-    upload_fn = (_timed_upload(on_uploaded, fault_pause if fault_pause_where == "upload" else None)
-                 if (rank == 0 and on_uploaded is not None) else None)
+    # every rank's upload: a failed one names the storage and leaves no partial directory behind
+    upload_fn = _timed_upload(on_uploaded if rank == 0 else None,
+                              fault_pause if (rank == 0 and fault_pause_where == "upload") else None)
     if upload == "sync":
         with tempfile.TemporaryDirectory(prefix=_local_prefix()) as tmp:
             write(Path(tmp))

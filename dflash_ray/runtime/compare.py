@@ -60,7 +60,8 @@ def compare_orders(cfg, overrides: list[str], *, log=print) -> dict:
     out_dir = Path(str(cfg.run.dir) + "-orders")
     rows = {}
     with ray_cluster(OmegaConf.to_object(cfg.cluster), log=log):
-        base = resolve_spec(cfg, log=log)          # the data, target and held-out prompts every run shares
+        # the data, target and held-out prompts every run shares (each run checks its own record, not the base's)
+        base = resolve_spec(cfg, log=log, record=False)
         shared = [f"data.input={cfg.data.input}", f"data.tokenizer={base.tokenizer}", f"data.shards={base.shards}",
                   f"model.target_path={base.target_path}"]
         if base.heldout:

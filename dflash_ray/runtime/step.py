@@ -162,6 +162,16 @@ class StepResult:
     skipped_nonfinite: bool = False  # loss or gradient NaN/Inf: no update (same decision on every rank)
 
 
+def _zero_backward(model) -> None:
+    """A backward that gives every trainable parameter of `model` a gradient of exactly 0: DDP's hooks fire
+    for each (its all-reduce of the step happens, matching the other ranks), and nothing is added. Masked,
+    not multiplied: `loss x 0` would add NaN whenever the filler's loss, or any derivative on its path, is
+    NaN or inf (0 x inf = NaN), and make the whole step non-finite. An empty slice of each parameter reaches
+    it without passing through the filler's activations."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    torch.stack([p.reshape(-1)[:0].sum() for p in params]).sum().backward()
+
+
 def train_step(model, drafter, optimizer, scheduler, rows: list[TrainRow], *, rank: int, workers: int,
                batches_per_step: int, seed: int, grad_clip: float, device,
                autocast=contextlib.nullcontext, all_reduce=None) -> StepResult:
@@ -170,7 +180,8 @@ def train_step(model, drafter, optimizer, scheduler, rows: list[TrainRow], *, ra
 
     `model` is what the forward runs through (DDP over a LossModule, or the LossModule itself);
     `drafter` owns the trainable parameters. A filler row trains nothing: it is skipped, except as the
-    last micro-batch, where it runs forward/backward with its loss times 0 so DDP's collective happens."""
+    last micro-batch, where it runs forward (which arms DDP's reducer) and a backward of an exact zero
+    (`_zero_backward`), so DDP's collective happens and the filler adds nothing, NaN included."""
     block_size = drafter.block_size
     stats = StepStats.zeros(block_size, batches_per_step)
     last = len(rows) - 1
@@ -186,9 +197,10 @@ def train_step(model, drafter, optimizer, scheduler, rows: list[TrainRow], *, ra
         with sync:
             with autocast():
                 loss_sum, weight_sum, correct, count, prefix, blocks = model(ids, mask, context, lengths, generator)
-            (loss_sum * (0.0 if row.is_filler else float(workers))).backward()
-        if row.is_filler:
-            continue
+            if row.is_filler:
+                _zero_backward(model)
+                continue
+            (loss_sum * float(workers)).backward()
         stats.loss_sum += float(loss_sum.detach())
         stats.weight_sum += float(weight_sum)
         stats.tokens += row.num_tokens

@@ -184,7 +184,8 @@ def build_token_store(shards: str, vocab_size: int | None, block_mb: float = 8.0
 
     t0 = time.perf_counter()
     files = list_shards(shards)
-    schema = pq.read_schema(files[0].fs.open_input_file(files[0].path))
+    with files[0].fs.open_input_file(files[0].path) as f:
+        schema = pq.read_schema(f)
     columns = list(SCHEMA.names) + ([SUPERVISED] if SUPERVISED in schema.names else [])
     lengths = read_lengths(shards)
     # rows per block from the mean row's bytes (int32 id + int8 mask per token, + offsets and sample_id)

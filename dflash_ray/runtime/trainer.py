@@ -9,6 +9,7 @@ and tell the coordinator). The original error stays chained (`--debug` shows its
 from __future__ import annotations
 
 import dataclasses
+import errno
 import time
 from dataclasses import dataclass
 
@@ -43,8 +44,8 @@ def fit(run_spec, num_buckets: int, *, progress: bool = True) -> FitOutcome:
 
     from dflash_ray.runtime.cluster import start_coordinator
     from dflash_ray.runtime.loop import faults_for_tests, train_loop_per_worker
-    from dflash_ray.runtime.pipeline import DatasetFactory
     from dflash_ray.runtime.data_config import NodeLocalDataConfig
+    from dflash_ray.runtime.pipeline import DatasetFactory
     from dflash_ray.runtime.token_store import build_token_store
     from dflash_ray.runtime.progress import Progress
 
@@ -125,10 +126,11 @@ def _cause(run_spec, failures: list) -> str:
     from dflash_ray.runtime.checkpoint import _filesystem
 
     storage_dir = _filesystem(run_spec.experiment_dir)[1]
-    for e in failures:
-        if isinstance(e, OSError) and (storage_dir in str(e) or run_spec.experiment_dir in str(e)):
-            return (f"a checkpoint could not be written to train.storage_path ({run_spec.storage_path}): "
-                    f"{_one_line(e)}")
+    for e in failures:   # naming the run's storage, or a full disk that is not the local temporary directory
+        if isinstance(e, OSError) and (storage_dir in str(e) or run_spec.experiment_dir in str(e) or (
+                e.errno in (errno.ENOSPC, errno.EDQUOT) and "dflash-ckpt-" not in str(e))):
+            return (f"a checkpoint could not be written to train.storage_path ({run_spec.storage_path}"
+                    f"{_free_space(run_spec.storage_path)}): {_one_line(e)}")
     for e in failures:
         inner = getattr(e, "health_check_failure", e)   # Ray Train's WorkerHealthCheckFailedError
         if isinstance(inner, ray.exceptions.RayActorError):
@@ -138,6 +140,19 @@ def _cause(run_spec, failures: list) -> str:
             return f"a checkpoint could not be written to its local temporary directory: {_one_line(e)}"
     e = failures[0]
     return f"{type(e).__name__}: {_one_line(e)}"
+
+
+def _free_space(path: str) -> str:
+    """', <space> free' for a local path (is its disk full?), else ''."""
+    import shutil
+
+    if "://" in str(path):
+        return ""
+    try:
+        free = shutil.disk_usage(path).free
+    except OSError:
+        return ""
+    return f", {free / 2**30:.1f} GiB free" if free >= 2**30 else f", {free / 2**20:.2f} MiB free"
 
 
 def failure_error(run_spec, err: Exception) -> UserError:

@@ -149,7 +149,7 @@ def test_resume_refuses_shards_changed_since_the_first_run(fault, run_args, tmp_
     args = _with(run_args, data__shards=shards)
     spec = resolve_spec(compose_config(args), log=lambda *a, **k: None)    # the first run, before a checkpoint
     recorded = json.loads((Path(spec.run_dir) / RUN_INPUTS).read_text())
-    assert sorted(recorded["shards"]) == ["a.parquet", "b.parquet"]
+    assert sorted(recorded["shards"]["files"]) == ["a.parquet", "b.parquet"]
     _register_checkpoint(spec)
     resolve_spec(compose_config(args), log=lambda *a, **k: None)             # same shards: resumes
     size = (shards / "b.parquet").stat().st_size
@@ -168,7 +168,7 @@ def test_resume_refuses_shards_changed_since_the_first_run(fault, run_args, tmp_
 
     (Path(spec.experiment_dir) / SNAPSHOT).unlink()                          # no checkpoint: a fresh run
     resolve_spec(compose_config(args), log=lambda *a, **k: None)
-    assert len(json.loads((Path(spec.run_dir) / RUN_INPUTS).read_text())["shards"]) == (2 if fault == "rewritten" else 1)
+    assert len(json.loads((Path(spec.run_dir) / RUN_INPUTS).read_text())["shards"]["files"]) == (2 if fault == "rewritten" else 1)
 
 
 def test_resume_refuses_another_plan_config(run_args, tmp_path, ray_session, capsys):

@@ -57,3 +57,42 @@ def test_nonfinite_stop_line(spec):
                                                 "limit": 4, "loss": float("nan"), "grad_norm": float("nan")})))
     assert msg.startswith("training stopped at step 9: 4 steps in a row (steps 6-9) had a non-finite loss or "
                           "gradient (loss nan, grad norm nan), the limit set by train.max_nonfinite_steps=4")
+
+
+def test_a_full_local_temporary_directory_names_it(spec, tmpfs, tmp_path):
+    """A real ENOSPC (a 64 KiB tmpfs) while a worker writes its checkpoint files into its local temporary
+    directory (/tmp/dflash-ckpt-<pid>-*): torch.save's own error says neither where nor why
+    ("unexpected pos ..."); the line names the directory, its free space and "No space left on device"."""
+    import errno
+
+    import torch
+
+    from helpers_model import tiny_step_drafter
+
+    from dflash_ray.config import TrainConfig
+    from dflash_ray.runtime.checkpoint import write_checkpoint
+    from dflash_ray.runtime.feed import Cursor
+    from dflash_ray.runtime.step import make_optimizer
+
+    drafter, _ = tiny_step_drafter(tmp_path / "model")
+    opt, sched = make_optimizer(TrainConfig(), drafter, 10)
+    sum(p.sum() for p in drafter.trainable_parameters()).backward()
+    opt.step()                                               # AdamW's moments: the checkpoint's larger part
+    local = tmpfs("64k") / "dflash-ckpt-4242-abc"
+    with pytest.raises(OSError) as e:
+        write_checkpoint(local, drafter=drafter, optimizer=opt, scheduler=sched, cursor=Cursor(), world_size=1)
+    assert e.value.errno == errno.ENOSPC and str(local) in str(e.value)
+    msg = line(failure_error(spec, WorkerGroupError("...", {0: e.value, 1: torch.distributed.DistBackendError(
+        "[../third_party/gloo/transport/tcp/pair.cc:534] Connection closed by peer")})))
+    print(msg)
+    assert (f"the last failure: a checkpoint could not be written to its local temporary directory: [Errno 28] "
+            f"{local}: No space left on device (0.") in msg and " MiB free there); RuntimeError: " in msg, msg
+
+
+def test_a_full_storage_names_the_key_when_the_error_names_no_path(spec):
+    """A rank's upload into a full train.storage_path, as pyarrow words it (no path in it): still named as
+    the storage, with its free space."""
+    err = OSError(28, "Error writing bytes to file. Detail: [errno 28] No space left on device")
+    msg = line(failure_error(spec, WorkerGroupError("...", {1: err})))
+    assert f"a checkpoint could not be written to train.storage_path ({spec.storage_path}" in msg, msg
+    assert "No space left on device" in msg

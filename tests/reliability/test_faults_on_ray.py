@@ -79,7 +79,9 @@ def one_line(e: BaseException) -> str:
 def test_nonfinite_steps_are_skipped_counted_then_stop_the_run(train_run, tiny_plan_batches, monkeypatch):
     """Rank 1's batches get a NaN feature at steps 2, 5, 6, 7 (train.max_nonfinite_steps=3): steps 2, 5, 6
     are skipped on both ranks (rank 0's weights do not move though its own batches are fine), step 7 is the
-    third in a row and stops the run, without a checkpoint; checkpoints 4, 5 and 6 hold the same weights."""
+    third in a row and stops the run, without a checkpoint; checkpoints 4, 5 and 6 hold the same weights.
+    A rerun that meets the NaN at step 7 again stops there at once (the streak, 2 in checkpoint 6, is
+    restored); one with the features fine finishes."""
     name = "nonfinite"
     overrides = [*BASE, "train.max_steps=8", "train.max_nonfinite_steps=3"]
     monkeypatch.setenv(TEST_FAULTS_ENV, json.dumps({"nonfinite": {"steps": [2, 5, 6, 7], "rank": 1}}))
@@ -107,6 +109,16 @@ def test_nonfinite_steps_are_skipped_counted_then_stop_the_run(train_run, tiny_p
     assert [r["step"] for r in ledger if r.get("skipped") == "nonfinite"] == [2, 5, 6, 7]
     assert [r["positions"] for r in ledger] == expected_positions(tiny_plan_batches, 7)
     assert events(run_dir, "run_stopped")[-1]["step"] == 7
+
+    # the same run.name again, the NaN still there at step 7: the streak is part of the checkpoint (2 at step
+    # 6), so the rerun stops at its first step, as the uninterrupted run did, with the same line: a limit on
+    # steps in a row of the run's timeline, which a rerun neither resets nor extends
+    with pytest.raises(UserError) as err:
+        train_run(name, overrides)
+    again = one_line(err.value)
+    assert again.startswith("training stopped at step 7: 3 steps in a row (steps 5-7)"), again
+    rerun = read_jsonl(run_dir / "metrics.jsonl")[len(metrics):]      # what the rerun trained: step 7 only
+    assert [(m["step"], m["nonfinite_streak"], m["skipped_nonfinite"]) for m in rerun] == [(7, 3, 1)], rerun
 
     # the same run.name again, the features fine now: it resumes from step 6 (the stopped step 7 rolls back)
     monkeypatch.delenv(TEST_FAULTS_ENV)
@@ -238,4 +250,54 @@ def test_driver_killed_while_a_checkpoint_is_unregistered_resumes_from_the_previ
     _, s = train_run(name, overrides)
     assert s["steps"] == 6 and s["ledger"]["ok"], s["ledger"]
     assert s["rolled_back_steps"] >= 2 and s["trainer_restarts"] == 0
+    assert_exact(run_dir, tiny_plan_batches, 6)
+
+
+def test_storage_full_stops_with_one_line_then_resumes_with_space(train_run, tiny_plan_batches, monkeypatch, tmpfs):
+    """train.storage_path on a tmpfs that fills up for real (ENOSPC): while rank 0 is inside the step-4
+    checkpoint (before any upload) the tmpfs shrinks to what checkpoint 2 uses plus half a checkpoint;
+    the step-4 upload fails with "No space left on device" (train.max_failures=0): one line naming
+    train.storage_path and its free space, checkpoint 2 intact and still the latest, the failed upload's
+    partial directory removed (it would keep the disk full). A rerun with space resumes from step 2 and
+    ends exactly once."""
+    name = "storage_full"
+    storage = tmpfs("64m")
+    overrides = [*BASE, "train.max_steps=6", "train.max_failures=0", f"train.storage_path={storage}"]
+    monkeypatch.setenv(TEST_FAULTS_ENV, json.dumps(
+        {"checkpoint_pause": {"step": 4, "seconds": 8, "where": "write", "attempts": [1]}}))
+    run_dir, experiment = train_run.root / name, storage / name
+    seen = {}
+
+    def fill(_):
+        wait_for(lambda: events(run_dir, "test_fault") or (run_dir / "summary.json").exists(), 300,
+                 "rank 0 inside the step-4 checkpoint")
+        assert not (run_dir / "summary.json").exists(), "the run ended without pausing in its step-4 checkpoint"
+        (step, ckpt), = checkpoints_by_step(str(experiment)).items()
+        size = sum(p.stat().st_size for p in ckpt.iterdir())
+        used = shutil.disk_usage(storage).used
+        seen.update(step=step, size=size)
+        tmpfs.resize(storage, f"{(used + size // 2) // 4096 * 4 + 4}k")
+
+    with pytest.raises(UserError) as err:
+        train_run(name, overrides, during=fill)
+    msg = one_line(err.value)
+    print(msg)                                      # the line the user sees (pytest -rP shows it)
+    assert seen["step"] == 2
+    assert f"the last failure: a checkpoint could not be written to train.storage_path ({storage}, " in msg, msg
+    assert "MiB free): " in msg and "No space left on device" in msg, msg
+    assert "step 2" in msg and "rerun the same run.name" in msg, msg
+    cursor, latest = latest_checkpoint(str(experiment))
+    assert cursor.step == 2 and read_state(Path(latest))["cursor"]["step"] == 2     # intact, still the latest
+    # the failed upload's partial directory was removed by the rank that failed; another rank's upload may
+    # have landed after that (its RNG file, ~12 KB): no weights or optimizer state are left behind
+    left = {p.name: sorted(f.name for f in p.iterdir()) for p in experiment.glob("checkpoint_*")
+            if p.is_dir() and str(p) != latest}
+    print("left of the failed checkpoint:", left)
+    assert all(f.startswith("rng_rank") for files in left.values() for f in files), left
+
+    tmpfs.resize(storage, "64m")
+    monkeypatch.delenv(TEST_FAULTS_ENV)
+    _, s = train_run(name, overrides)
+    assert s["steps"] == 6 and s["ledger"]["ok"], s["ledger"]
+    assert s["rolled_back_steps"] >= 2                                 # steps 3, 4 of the failed attempt
     assert_exact(run_dir, tiny_plan_batches, 6)

@@ -4,6 +4,7 @@ in test_faults_on_ray.py."""
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ import torch
 from helpers_model import tiny_step_drafter
 
 from dflash_ray.config import TrainConfig
-from dflash_ray.runtime.rows import TrainRow, encode_features, token_row
+from dflash_ray.runtime.rows import FILLER, TrainRow, encode_features, token_row
 from dflash_ray.runtime.step import LossModule, make_optimizer, train_step
 
 VOCAB, MASK, BLOCK = 300, 299, 4
@@ -107,3 +108,74 @@ def test_nonfinite_parameter_skips_the_update(drafter_and_width):
     assert r.skipped_nonfinite and not opt.state_dict()["state"]    # AdamW never stepped
     for a, b in zip(before, weights(drafter)):
         assert torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(), b.nan_to_num())
+
+
+# ----------------------------------------------------------------------------- a filler whose loss is NaN
+def filler(width, features, seed) -> TrainRow:
+    """A filler row (position FILLER: pads an epoch's last step) with a NaN in its context features, so its
+    own loss (and every derivative on its path) is NaN."""
+    r = row(0, width, features, seed, poison=float("nan"))
+    return dataclasses.replace(r, position=FILLER, bucket=FILLER, num_tokens=0)
+
+
+def test_a_filler_whose_loss_is_nan_adds_nothing(drafter_and_width):
+    """The filler as the last micro-batch (its forward runs, for DDP's collective): the step is finite and
+    its update is exactly that of the real batch alone. (Its loss times 0 was NaN: the step was skipped.)"""
+    base, features = drafter_and_width
+    real, pad = row(1, 16, features, 1), filler(16, features, 2)
+    ids, mask, context, lengths = pad.tensors("cpu")
+    assert not torch.isfinite(LossModule(copy.deepcopy(base))(ids, mask, context, lengths,
+                                                              torch.Generator().manual_seed(0))[0])
+
+    alone = copy.deepcopy(base)
+    o1, s1 = adamw(alone)
+    r1 = step(alone, o1, s1, [real])
+    padded = copy.deepcopy(base)
+    o2, s2 = adamw(padded)
+    r2 = step(padded, o2, s2, [real, pad])
+    assert not r2.skipped_nonfinite and r2.positions == [1, FILLER] and r2.loss == r1.loss
+    for a, b in zip(weights(alone), weights(padded)):
+        assert torch.equal(a, b)
+
+
+def _ddp_worker(rank: int, root: str) -> None:
+    """One of two DDP ranks (gloo): rank 0 trains the real batch, rank 1 only a NaN filler."""
+    import torch.distributed as dist
+    from torch import nn
+
+    torch.set_num_threads(1)
+    inputs = torch.load(f"{root}/inputs.pt", weights_only=False)
+    dist.init_process_group("gloo", init_method=f"file://{root}/store", rank=rank, world_size=2)
+    try:
+        drafter = inputs["drafter"]
+        model = nn.parallel.DistributedDataParallel(LossModule(drafter), broadcast_buffers=False,
+                                                    gradient_as_bucket_view=True)
+        opt, sched = adamw(drafter)
+        r = train_step(model, drafter, opt, sched, [inputs["rows"][rank]], rank=rank, workers=2, batches_per_step=2,
+                       seed=0, grad_clip=1.0, device="cpu", all_reduce=dist.all_reduce)
+        torch.save({"result": r, "weights": weights(drafter)}, f"{root}/rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_nan_filler_on_one_ddp_rank_adds_nothing(drafter_and_width, tmp_path):
+    """Two real DDP processes (gloo), as in a run whose epoch ends on an odd batch: rank 1's last micro-step
+    is a filler whose loss is NaN. Both ranks take the step, and their weights equal the real batch's step
+    trained alone (DDP's all-reduce of rank 1's zero gradient happened, and added nothing)."""
+    import torch.multiprocessing as mp
+
+    base, features = drafter_and_width
+    real, pad = row(1, 16, features, 1), filler(16, features, 2)
+    torch.save({"drafter": copy.deepcopy(base), "rows": [real, pad]}, tmp_path / "inputs.pt")
+    mp.spawn(_ddp_worker, args=(str(tmp_path),), nprocs=2, join=True)
+
+    alone = copy.deepcopy(base)
+    o1, s1 = adamw(alone)
+    r1 = step(alone, o1, s1, [real])
+    for rank in (0, 1):
+        out = torch.load(tmp_path / f"rank{rank}.pt", weights_only=False)
+        r = out["result"]
+        assert not r.skipped_nonfinite and r.positions == [1, FILLER], (rank, r)
+        assert r.loss == pytest.approx(r1.loss, rel=1e-12)
+        for a, b in zip(weights(alone), out["weights"]):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
