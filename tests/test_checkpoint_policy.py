@@ -198,9 +198,14 @@ def test_timed_upload_calls_rays_persist_then_reports_seconds(monkeypatch):
     calls = []
 
     class Storage:
+        storage_filesystem = None   # used only when an upload fails
+
         def persist_current_checkpoint(self, checkpoint, name):
             calls.append(("persist", checkpoint, name))
             return "persisted"
+
+        def build_checkpoint_path_from_name(self, name):
+            return f"/storage/{name}"
 
     class Ctx:
         def get_storage(self):
