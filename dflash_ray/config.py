@@ -113,6 +113,7 @@ class TrainConfig:
     checkpoint_upload: str = "async"               # async: Ray Train uploads while training goes on; sync: waits
     num_to_keep: int = 2
     max_failures: int = 3
+    stream_window_rows: int = 20000  # feed rows per Ray Data stream (a fit of its own, from a checkpoint); 0: one
     max_nonfinite_steps: int = 10    # stop after this many NaN/Inf steps in a row (skipped, counted; 0: never stop)
     storage_path: Optional[str] = None
     tensorboard: bool = False
@@ -264,6 +265,14 @@ def _check_rules(cfg: DictConfig) -> None:
     if int(c.max_batches_in_flight) < per_step:
         raise UserError(f"config key 'cluster.max_batches_in_flight': {c.max_batches_in_flight} is less than "
                         f"the {per_step} batches one optimizer step needs (drafter_workers x grad_accum)")
+    from dflash_ray.runtime.trackers import chosen
+
+    chosen(t)  # unknown tracker names
+    if t.wandb_mode is not None and t.wandb_mode not in ("online", "offline", "disabled"):
+        raise UserError(f"config key 'train.wandb_mode': '{t.wandb_mode}' is not one of online, offline, disabled")
+    if int(t.stream_window_rows) < 0:
+        raise UserError(f"config key 'train.stream_window_rows': must be >= 0 (0: one stream for the whole run), "
+                        f"got {t.stream_window_rows}")
 
 
 def _explain_compose_error(e: Exception, overrides: List[str]) -> str:

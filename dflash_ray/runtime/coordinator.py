@@ -70,7 +70,10 @@ class RunCoordinator:
         self.consumed = 0             # feed rows trained, in the current generation
         self.admitted = -1            # highest feed row index admitted, current generation
         self.max_in_flight = 0
-        self.attempts = 0             # train-function starts (restarts = attempts - 1 within one fit)
+        self.attempts = 0             # train-function starts, over the whole run (checkpoint records name them)
+        self.windows = 0              # fits of the run (trainer.stream_windows: one per window of feed rows)
+        self.window_attempts = 0      # starts within the current window (restarts = window_attempts - 1)
+        self.run_total_steps = 0      # the run's last step (a window's feed ends earlier)
         self.trainer_restarts = 0
         self.rolled_back_steps = 0
         self.targets: dict[str, dict] = {}
@@ -200,20 +203,32 @@ class RunCoordinator:
         self.stopped = None   # a stop that a later failure overtook no longer holds
         dropped = rollback(self.dir / LEDGER, step)
         self.rolled_back_steps += dropped
-        if self.attempts > 1:
+        if self.window_attempts > 1:
             self.trainer_restarts += 1
             self._event("trainer_group_restarted", resume_step=step, rolled_back=dropped, world_size=world_size)
         self._failures_gauge()
         self.step_times = []
+    def begin_window(self, run_total_steps: int) -> None:
+        """A fit of the next window of the run starts (trainer.stream_windows): its first worker group is
+        no restart."""
+        self.windows += 1
+        self.window_attempts = 0
+        self.run_total_steps = int(run_total_steps)
+
+    def report_stopped(self) -> dict | None:
+        return self.stopped
+
         return {"attempt": self.attempts, "rolled_back": dropped}
 
     def commit_step(self, gen: int, record: dict, metrics: dict) -> None:
+        self.window_attempts += 1
         """One optimizer step: a ledger line and a metrics line (written before returning). A commit from
         a replaced worker group's stream (gen != current) is dropped: its timeline was rolled back."""
         if gen != self.gen:
             return
         now = time.time()
-        self._mark(f"step{record['step']}")
+        if record["step"] <= 100 or record["step"] % 1000 == 0:   # the start-up's steps; bounded after
+            self._mark(f"step{record['step']}")
         self.step_times.append((now, int(metrics["tokens"])))
         self.step_times = self.step_times[-20:]
         if len(self.step_times) >= 2:
@@ -343,7 +358,7 @@ class RunCoordinator:
             f.write(json.dumps({"event": kind, "time": time.time(), **kw}) + "\n")
 
     def progress(self) -> dict:
-        return {"step": int(self.last.get("step", 0)), "total_steps": self.total_steps,
+        return {"step": int(self.last.get("step", 0)), "total_steps": max(self.total_steps, self.run_total_steps),
                 "heldout_tau": self.evals[-1]["tau"] if self.evals else None,
                 "loss": self.last.get("loss"), "tokens_per_second": self.last.get("tokens_per_second", 0.0),
                 "failures_survived": self.failures_survived(), "epoch": self.last.get("epoch")}
@@ -371,7 +386,7 @@ class RunCoordinator:
                 "target_busy_max_over_min": max(means) / min(means) if means and min(means) > 0 else None,
                 "trainer_restarts": self.trainer_restarts, "target_restarts": self.target_restarts,
                 "failures_survived": self.failures_survived(), "rolled_back_steps": self.rolled_back_steps,
-                "attempts": self.attempts, "max_batches_in_flight": self.max_in_flight, "window": self.window,
+                "attempts": self.attempts, "windows": self.windows, "max_batches_in_flight": self.max_in_flight, "window": self.window,
                 "targets": targets, "checkpoints": self.checkpoints, "checkpoint_cost": self.checkpoint_cost(),
                 "last": self.last, "placement": self.placement, "feature_traffic": dict(self.features),
                 "timeline": self.timeline, "evals": self.evals, "stopped": self.stopped}

@@ -250,6 +250,8 @@ def train_loop_per_worker(config: dict) -> None:
         if not due:
             if commit is not None:
                 pending_commits.append(coord.commit_step.remote(gen, *commit))
+                if len(pending_commits) > 64:   # forget the finished ones (a long checkpoint interval)
+                    pending_commits[:] = ray.wait(pending_commits, num_returns=len(pending_commits), timeout=0)[1]
             continue
         t0 = time.perf_counter()
 

@@ -63,28 +63,36 @@ def fit(run_spec, num_buckets: int, *, progress: bool = True) -> FitOutcome:
     data_ctx.enable_progress_bars = False  # our own progress line says what matters; Ray Data's bars flood job logs
     exec_opts = data_ctx.execution_options
     exec_opts.preserve_order = True  # with one-row blocks: round-robin over the train workers
-    trainer = TorchTrainer(
-        train_loop_per_worker,
-        # one torch thread per worker: measured best on CPUs; test_faults: {} outside tests/reliability
-        train_loop_config={"spec": run_spec, "threads": 1, "test_faults": faults_for_tests()},
-        torch_config=TorchConfig(backend="nccl" if c.use_gpu else "gloo"),
-        # SPREAD: trainer workers over the nodes, so each node's target actors have trainers to feed
-        scaling_config=ScalingConfig(num_workers=c.drafter_workers, use_gpu=c.use_gpu, placement_strategy="SPREAD",
-                                     resources_per_worker={"GPU": c.drafter_gpus, "CPU": 1} if c.use_gpu else {"CPU": 1}),
-        run_config=RunConfig(
-            name=run_spec.name, storage_path=run_spec.storage_path,
-            checkpoint_config=CheckpointConfig(num_to_keep=t.num_to_keep),
-            failure_config=FailureConfig(max_failures=t.max_failures)),
-        datasets={"train": ray.data.range(1)},   # a placeholder: the streams are built per node by the config
-        dataset_config=NodeLocalDataConfig(DatasetFactory(run_spec, tokens_ref, run_spec.experiment_dir), exec_opts),
-    )
+
+    def trainer_for(spec):
+        return TorchTrainer(
+            train_loop_per_worker,
+            # one torch thread per worker: measured best on CPUs; test_faults: {} outside tests/reliability
+            train_loop_config={"spec": spec, "threads": 1, "test_faults": faults_for_tests()},
+            torch_config=TorchConfig(backend="nccl" if c.use_gpu else "gloo"),
+            # SPREAD: trainer workers over the nodes, so each node's target actors have trainers to feed
+            scaling_config=ScalingConfig(num_workers=c.drafter_workers, use_gpu=c.use_gpu, placement_strategy="SPREAD",
+                                         resources_per_worker={"GPU": c.drafter_gpus, "CPU": 1} if c.use_gpu
+                                         else {"CPU": 1}),
+            run_config=RunConfig(
+                name=spec.name, storage_path=spec.storage_path,
+                checkpoint_config=CheckpointConfig(num_to_keep=t.num_to_keep),
+                failure_config=FailureConfig(max_failures=t.max_failures)),
+            datasets={"train": ray.data.range(1)},   # a placeholder: the streams are built per node by the config
+            dataset_config=NodeLocalDataConfig(DatasetFactory(spec, tokens_ref, spec.experiment_dir), exec_opts),
+        )
+
     failure = result = None
     try:
         with Progress(coord, enabled=progress):
-            try:
-                result = trainer.fit()
-            except TrainingFailedError as e:  # Ray Train gave up: after train.max_failures restarts
-                failure = e
+            for spec in stream_windows(run_spec, coord):
+                try:
+                    result = trainer_for(spec).fit()
+                except TrainingFailedError as e:  # Ray Train gave up: after train.max_failures restarts
+                    failure = e
+                    break
+                if result.error is not None or ray.get(coord.report_stopped.remote()):
+                    break
         report = ray.get(coord.report.remote())
         report["token_store"] = store_info.as_dict()
         ray.get(coord.close.remote())
@@ -97,6 +105,41 @@ def fit(run_spec, num_buckets: int, *, progress: bool = True) -> FitOutcome:
     if report.get("stopped"):
         raise UserError(stopped_message(run_spec, report["stopped"]))
     return FitOutcome(report=report, started=t0, wall_seconds=time.time() - t0)
+
+
+def stream_windows(run_spec, coord):
+    """The run as a series of Ray Train fits of at most `train.stream_window_rows` feed rows each (0: one fit
+    for the whole run). Ray Data keeps per-block state for a whole stream (its split coordinator grows ~25 KB
+    a row: benchmarks/bench_load.py), so a stream over the 280K rows of a long run would hold gigabytes; a
+    window ends at a step with a checkpoint (the loop checkpoints at its last step) and the next fit resumes
+    from it exactly, as a restart does. Yields the spec of each window (train.max_steps = its last step)."""
+    import dataclasses
+
+    import ray
+
+    from dflash_ray.runtime.checkpoint import latest_checkpoint
+    from dflash_ray.runtime.pipeline import DatasetFactory
+
+    rows = int(getattr(run_spec.train, "stream_window_rows", 0) or 0)
+    run_end = DatasetFactory(run_spec, None, run_spec.experiment_dir).feed().total_steps
+    ray.get(coord.begin_window.remote(run_end))
+    if rows <= 0:
+        yield run_spec
+        return
+    per_window = max(1, rows // run_spec.batches_per_step)
+    start, first = None, True
+    while True:
+        now = latest_checkpoint(run_spec.experiment_dir)[0].step
+        if not first and (now >= run_end or now == start):   # done, or the last window made no progress
+            return
+        start = now
+        end = min(run_end, start + per_window)
+        if not first:
+            ray.get(coord.begin_window.remote(run_end))
+        first = False
+        yield dataclasses.replace(run_spec, train=dataclasses.replace(run_spec.train, max_steps=end))
+        if end >= run_end:
+            return
 
 
 def _one_line(text: str, limit: int = 300) -> str:
