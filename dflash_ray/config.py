@@ -116,7 +116,11 @@ class TrainConfig:
     stream_window_rows: int = 20000  # feed rows per Ray Data stream (a fit of its own, from a checkpoint); 0: one
     max_nonfinite_steps: int = 10    # stop after this many NaN/Inf steps in a row (skipped, counted; 0: never stop)
     storage_path: Optional[str] = None
-    tensorboard: bool = False
+    tensorboard: bool = False        # the older switch: the same as adding tensorboard to trackers
+    trackers: Optional[List[str]] = None   # any of tensorboard, mlflow, wandb (null/[]: metrics.jsonl only)
+    tracker_project: str = "dflash-ray"    # MLflow experiment / W&B project
+    mlflow_tracking_uri: Optional[str] = None  # null: $MLFLOW_TRACKING_URI, else sqlite:///<run.root>/mlflow.db
+    wandb_mode: Optional[str] = None       # online | offline | disabled; null: $WANDB_MODE, else online when logged in
     heldout_every: int = 0           # held-out tau every N steps during training (0: only after training)
     compile: bool = True             # CUDA: torch.compile the drafter's layers (flex attention fuses in them)
     checkpoint_layers: bool = False  # activation checkpointing of the drafter's layers: recompute in backward
@@ -261,10 +265,6 @@ def _check_rules(cfg: DictConfig) -> None:
         raise UserError("config key 'train.checkpoint_every_minutes': checkpoints are off (it and "
                         "train.checkpoint_every are both 0/null): set one of them (a restart would retrain "
                         "whole epochs)")
-    per_step = int(c.drafter_workers) * int(t.grad_accum)
-    if int(c.max_batches_in_flight) < per_step:
-        raise UserError(f"config key 'cluster.max_batches_in_flight': {c.max_batches_in_flight} is less than "
-                        f"the {per_step} batches one optimizer step needs (drafter_workers x grad_accum)")
     from dflash_ray.runtime.trackers import chosen
 
     chosen(t)  # unknown tracker names
@@ -273,6 +273,10 @@ def _check_rules(cfg: DictConfig) -> None:
     if int(t.stream_window_rows) < 0:
         raise UserError(f"config key 'train.stream_window_rows': must be >= 0 (0: one stream for the whole run), "
                         f"got {t.stream_window_rows}")
+    per_step = int(c.drafter_workers) * int(t.grad_accum)
+    if int(c.max_batches_in_flight) < per_step:
+        raise UserError(f"config key 'cluster.max_batches_in_flight': {c.max_batches_in_flight} is less than "
+                        f"the {per_step} batches one optimizer step needs (drafter_workers x grad_accum)")
 
 
 def _explain_compose_error(e: Exception, overrides: List[str]) -> str:

@@ -29,6 +29,7 @@ def main_job(cfg, *, progress: bool = True, log=print, plan_log=print):
     from dflash_ray.errors import UserError
     from dflash_ray.runtime.checkpoint import export_latest
     from dflash_ray.runtime.cluster import check_resources, ray_cluster
+    from dflash_ray.runtime import trackers
     from dflash_ray.runtime.heldout import initial_and_trained_tau
     from dflash_ray.runtime.spec import resolve_spec
     from dflash_ray.runtime.summary import build_summary
@@ -37,12 +38,17 @@ def main_job(cfg, *, progress: bool = True, log=print, plan_log=print):
     required = sorted(OmegaConf.missing_keys(cfg) & {"data.tokenizer", "data.shards", "model.target_path"})
     if required:  # before Ray starts: a run that cannot resolve should not cost a cluster start
         raise UserError(f"config key '{required[0]}' must be set (e.g. {required[0]}=...)")
+    trackers.check_installed(trackers.chosen(cfg.train))   # before Ray starts: one line naming the extra
     with ray_cluster(OmegaConf.to_object(cfg.cluster), log=log):
         run_spec = resolve_spec(cfg, log=log)
         plan_summary = run_spec.build_plan(epoch=0).summary()
         plan_log(format_plan(plan_summary))
         check_resources(run_spec.cluster)
-        outcome = fit(run_spec, num_buckets=len(plan_summary["buckets"]) or 1, progress=progress)
+        try:
+            outcome = fit(run_spec, num_buckets=len(plan_summary["buckets"]) or 1, progress=progress)
+        except BaseException:
+            trackers.end_run(run_spec, None, failed=True, log=log)   # the tracker runs say FAILED
+            raise
 
     summary = build_summary(run_spec, plan_summary, outcome.report, started=outcome.started,
                             wall_seconds=outcome.wall_seconds)
@@ -51,6 +57,7 @@ def main_job(cfg, *, progress: bool = True, log=print, plan_log=print):
     summary["heldout_tau"] = (initial_and_trained_tau(run_spec, summary["export"])
                               if run_spec.heldout and summary["export"] else None)
     write_json_atomic(Path(run_spec.run_dir) / "summary.json", summary)
+    trackers.end_run(run_spec, summary, log=log)   # export/ and best/ as artifacts, final tau, FINISHED
     return run_spec, summary
 
 

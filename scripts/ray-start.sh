@@ -8,4 +8,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 ./scripts/bootstrap.sh
 export PATH="$PWD/.venv/bin:$PATH"
+# The head node: the project's Grafana dashboard beside Ray's own. Ray writes its dashboards into this folder
+# and points its Grafana provisioning at it (docs/monitoring.md, "The Grafana dashboard").
+if [[ " $* " == *" --head "* ]]; then
+  export RAY_METRICS_GRAFANA_DASHBOARD_OUTPUT_DIR="${RAY_METRICS_GRAFANA_DASHBOARD_OUTPUT_DIR:-$PWD/runs/grafana_dashboards}"
+  mkdir -p "$RAY_METRICS_GRAFANA_DASHBOARD_OUTPUT_DIR"
+  cp dashboards/grafana/*.json "$RAY_METRICS_GRAFANA_DASHBOARD_OUTPUT_DIR/"
+fi
 exec ray start "$@"

@@ -114,7 +114,7 @@ def submit_job_to_fresh_cluster(tmp_path: Path, job_args: list[str]) -> dict:
     address = f"http://127.0.0.1:{dash}"
     job_env = {**env, "RAY_ADDRESS": address}
     sid = f"dflash-tiny-{os.getpid()}"
-    seen_metric, status = None, None
+    seen_metric, status, metric_names, train_runs = None, None, set(), None
     try:
         deadline = time.time() + 120
         while http_get(f"{address}/api/version") is None:
@@ -136,10 +136,11 @@ def submit_job_to_fresh_cluster(tmp_path: Path, job_args: list[str]) -> dict:
         while time.time() < deadline:
             info = http_get(f"{address}/api/jobs/{sid}")       # what `ray job status` reads
             status = json.loads(info).get("status") if info else None
-            if seen_metric is None:
+            if seen_metric is None or status not in ("SUCCEEDED", "FAILED", "STOPPED"):  # every name, while it runs
                 text = http_get(f"http://127.0.0.1:{metrics}/metrics") or ""
                 found = [line for line in text.splitlines() if line.startswith("ray_dflash_")]
-                seen_metric = found[0] if found else None
+                metric_names |= {line.split("{")[0].split(" ")[0] for line in found}
+                seen_metric = seen_metric or (found[0] if found else None)
             if status in ("SUCCEEDED", "FAILED", "STOPPED"):
                 finished_at = finished_at or time.time()
                 if seen_metric or status != "SUCCEEDED" or time.time() - finished_at > 20:
@@ -147,8 +148,9 @@ def submit_job_to_fresh_cluster(tmp_path: Path, job_args: list[str]) -> dict:
             time.sleep(1)
         logs = subprocess.run([RAY, "job", "logs", "--address", address, sid], env=job_env,
                               capture_output=True, text=True, timeout=60).stdout
+        train_runs = http_get(f"{address}/api/train/v2/runs/v1", timeout=30)   # what the Train view shows
         return {"status": status, "logs": logs, "metric": seen_metric, "metrics_port": metrics,
-                "submission_id": sid}
+                "submission_id": sid, "metric_names": metric_names, "train_runs": train_runs}
     finally:
         head.send_signal(signal.SIGINT)                     # `ray start --block` stops its processes
         try:

@@ -78,13 +78,22 @@ def start_coordinator(run_spec, num_buckets: int):
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+    from dflash_ray.runtime import trackers
     from dflash_ray.runtime.coordinator import RunCoordinator
 
+    names = trackers.chosen(run_spec.train)   # train.trackers (+ train.tensorboard, its alias)
     node = ray.get_runtime_context().get_node_id()
     actor = ray.remote(RunCoordinator).options(
         name=run_spec.coordinator, namespace=run_spec.namespace, num_cpus=0, max_concurrency=1000,
         scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
     ).remote(run_spec.run_dir, run_spec.name, run_spec.cluster.max_batches_in_flight, num_buckets,
-             run_spec.train.tensorboard)
-    ray.get(actor.progress.remote())
+             trackers=names, tracker_options=trackers.options(run_spec.train, run_spec.run_dir),
+             params=trackers.run_params(run_spec) if names else None)
+    try:
+        ray.get(actor.progress.remote())
+    except ray.exceptions.RayActorError as e:  # e.g. a chosen tracker not installed where the actor runs
+        line = next((x.strip() for x in str(e).splitlines() if "config key 'train.trackers'" in x), None)
+        if line:
+            raise UserError(line.split("UserError: ", 1)[-1]) from e
+        raise
     return actor

@@ -43,6 +43,7 @@ class _Metrics:
         self.tokens_per_s = g("dflash_tokens_per_second", "trained tokens per second (recent steps)")
         self.heldout_tau = g("dflash_heldout_tau", "acceptance length on held-out prompts (speculative decoding)")
         self.step = g("dflash_step", "optimizer steps committed")
+        self.train_tau = g("dflash_train_tau", "acceptance length measured on the last step's training blocks")
         self.epoch_progress = g("dflash_epoch_progress", "fraction of the current epoch trained")
         self.in_flight = g("dflash_batches_in_flight", "batches admitted to the pipeline and not yet trained")
         self.ckpt_s = g("dflash_checkpoint_seconds", "seconds training waited for the last checkpoint")
@@ -59,7 +60,8 @@ class _Metrics:
 
 
 class RunCoordinator:
-    def __init__(self, run_dir: str, run_name: str, window: int, num_buckets: int, tensorboard: bool = False):
+    def __init__(self, run_dir: str, run_name: str, window: int, num_buckets: int, tensorboard: bool = False,
+                 trackers=None, tracker_options: dict | None = None, params: dict | None = None):
         self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.run_name = run_name
@@ -79,13 +81,15 @@ class RunCoordinator:
         self.targets: dict[str, dict] = {}
         self.target_by_bucket: dict[int, list] = {}   # bucket -> [batches, busy seconds], all actors
         self.target_restarts = 0
-        self.workers: dict[int, dict] = {}
-        self.last: dict = {}
         self.rank_nodes: list = []    # node of each trainer rank (the current stream's worker group)
         self.placement: list = []     # per node group: ranks and target actors (pipeline.DatasetFactory.splits)
         self.features = {"rows": 0, "bytes": 0, "cross_node_rows": 0, "cross_node_bytes": 0}
+        self.workers: dict[int, dict] = {}
+        self.last: dict = {}
         self.evals: list[dict] = read_jsonl(self.dir / EVALS)   # a resumed run's earlier ones count for best/
         self.evals_running = 0
+        if self.evals:  # a resumed run shows its latest held-out tau from the start
+            self.metrics.heldout_tau.set(float(self.evals[-1]["tau"]), tags=self.metrics.run)
         self.total_steps = 0
         self.feed: dict = {}
         self.step_times: list[tuple[float, int]] = []
@@ -94,13 +98,19 @@ class RunCoordinator:
         self.started = time.time()
         self.timeline: dict[str, float] = {}   # first time each milestone happened (seconds since start)
         self.stopped: dict | None = None      # why the workers stopped early (non-finite steps), for the driver
-        self.tb = None
-        if tensorboard:
-            try:
-                from tensorboardX import SummaryWriter
-            except ImportError:  # pragma: no cover - ray[train] ships tensorboardX
-                from torch.utils.tensorboard import SummaryWriter
-            self.tb = SummaryWriter(str(self.dir / "tensorboard"))
+        # experiment trackers (train.trackers; train.tensorboard=true is the alias of tensorboard): each
+        # step is logged once, when its first metrics line is written (trackers.py says why)
+        from dflash_ray.runtime.trackers import Trackers, options
+
+        names = list(trackers or [])
+        if tensorboard and "tensorboard" not in names:
+            names.append("tensorboard")
+        self.trackers = None
+        if names:
+            self.trackers = Trackers(str(self.dir), run_name, names, tracker_options or options(None, self.dir),
+                                     on_error=lambda name, where, e: self._event(
+                                         "tracker_failed", tracker=name, where=where, error=str(e)[:500]))
+            self.trackers.start(params or {}, logged_steps=(int(r["step"]) for r in read_jsonl(self.dir / METRICS)))
 
     # ------------------------------------------------------------ flight window
     async def reset_feed(self, total_steps: int, cursor: dict, batches_per_step: int, schedule_steps: int = 0,
@@ -108,6 +118,10 @@ class RunCoordinator:
         """A new Ray Data stream starts (first start or a restart): a new generation of row indices.
         rank_nodes: the node of each trainer rank; placement: the node streams (for the report)."""
         async with self.cond:
+            self.rank_nodes = list(rank_nodes or [])
+            if placement is not None:
+                self.placement = list(placement)
+                self._event("streams", gen=self.gen + 1, placement=self.placement)
             self.gen += 1
             self.consumed, self.admitted = 0, -1
             self.total_steps = int(total_steps)
@@ -118,10 +132,6 @@ class RunCoordinator:
             self._mark(f"feed_{self.gen}")
             return self.gen
 
-            self.rank_nodes = list(rank_nodes or [])
-            if placement is not None:
-                self.placement = list(placement)
-                self._event("streams", gen=self.gen + 1, placement=self.placement)
     def _mark(self, what: str) -> None:
         self.timeline.setdefault(what, round(time.time() - self.started, 3))
 
@@ -160,9 +170,18 @@ class RunCoordinator:
             self._event("target_actor_restarted", actor=key, pid=pid)
         self._failures_gauge()
 
-    def target_batch(self, key: str, busy_s: float, tokens: int, bucket: int) -> None:
+    def target_batch(self, key: str, busy_s: float, tokens: int, bucket: int, index: int = -1,
+                     nbytes: int = 0) -> None:
         t = self.targets.setdefault(key, {"pid": None, "node": None, "batches": 0, "busy_s": 0.0,
                                           "restarts": 0, "started": time.time(), "last": time.time()})
+        if index >= 0 and self.rank_nodes:
+            # the rank that trains feed row `index` (feed.rank_rows) and its node: do the features cross?
+            f = self.features
+            f["rows"] += 1
+            f["bytes"] += int(nbytes)
+            if t.get("node") and t["node"] != self.rank_nodes[index % len(self.rank_nodes)]:
+                f["cross_node_rows"] += 1
+                f["cross_node_bytes"] += int(nbytes)
         self._mark("first_target_batch")
         t["batches"] += 1
         t["tokens"] = t.get("tokens", 0) + int(tokens)
@@ -174,14 +193,6 @@ class RunCoordinator:
             b[1] += busy_s
         tags = {"run": self.run_name, "actor": key}
         self.metrics.target_batches.inc(1, tags=tags)
-        if index >= 0 and self.rank_nodes:
-            # the rank that trains feed row `index` (feed.rank_rows) and its node: do the features cross?
-            f = self.features
-            f["rows"] += 1
-            f["bytes"] += int(nbytes)
-            if t.get("node") and t["node"] != self.rank_nodes[index % len(self.rank_nodes)]:
-                f["cross_node_rows"] += 1
-                f["cross_node_bytes"] += int(nbytes)
         self.metrics.target_busy.inc(max(busy_s, 0.0), tags=tags)
         life = max(time.time() - t["started"], 1e-9)
         self.metrics.idle.set(max(0.0, 1.0 - t["busy_s"] / life), tags=tags)
@@ -197,17 +208,6 @@ class RunCoordinator:
     def worker_pids(self) -> dict:
         return {r: w["pid"] for r, w in self.workers.items()}
 
-    def begin_attempt(self, step: int, world_size: int) -> dict:
-        """Rank 0 of a (re)started worker group, resuming after `step` committed steps."""
-        self.attempts += 1
-        self.stopped = None   # a stop that a later failure overtook no longer holds
-        dropped = rollback(self.dir / LEDGER, step)
-        self.rolled_back_steps += dropped
-        if self.window_attempts > 1:
-            self.trainer_restarts += 1
-            self._event("trainer_group_restarted", resume_step=step, rolled_back=dropped, world_size=world_size)
-        self._failures_gauge()
-        self.step_times = []
     def begin_window(self, run_total_steps: int) -> None:
         """A fit of the next window of the run starts (trainer.stream_windows): its first worker group is
         no restart."""
@@ -218,10 +218,21 @@ class RunCoordinator:
     def report_stopped(self) -> dict | None:
         return self.stopped
 
+    def begin_attempt(self, step: int, world_size: int) -> dict:
+        """Rank 0 of a (re)started worker group, resuming after `step` committed steps."""
+        self.attempts += 1
+        self.window_attempts += 1
+        self.stopped = None   # a stop that a later failure overtook no longer holds
+        dropped = rollback(self.dir / LEDGER, step)
+        self.rolled_back_steps += dropped
+        if self.window_attempts > 1:
+            self.trainer_restarts += 1
+            self._event("trainer_group_restarted", resume_step=step, rolled_back=dropped, world_size=world_size)
+        self._failures_gauge()
+        self.step_times = []
         return {"attempt": self.attempts, "rolled_back": dropped}
 
     def commit_step(self, gen: int, record: dict, metrics: dict) -> None:
-        self.window_attempts += 1
         """One optimizer step: a ledger line and a metrics line (written before returning). A commit from
         a replaced worker group's stream (gen != current) is dropped: its timeline was rolled back."""
         if gen != self.gen:
@@ -253,11 +264,11 @@ class RunCoordinator:
         for b in record.get("buckets", []):
             if b >= 0:
                 m.bucket.observe(b, tags=tags)
-        if self.tb is not None:
-            for k in ("loss", "tokens_per_second", "lr", "grad_norm", "train_tau"):
-                if k in metrics and metrics[k] is not None:
-                    self.tb.add_scalar(f"train/{k}", float(metrics[k]), int(metrics["step"]))
-            self.tb.flush()
+        m.train_tau.set(float(metrics.get("train_tau") or 0.0), tags=tags)
+        if self.trackers is not None:
+            from dflash_ray.runtime.trackers import step_scalars
+
+            self.trackers.log_step(int(metrics["step"]), step_scalars(metrics, record, self.targets))
 
     async def evaluate_heldout(self, run_spec, step: int, weights: list) -> None:
         """Held-out tau of the drafter weights of `step` (weights = [ObjectRef of a state dict]), in a Ray
@@ -287,8 +298,10 @@ class RunCoordinator:
         with open(self.dir / EVALS, "a") as f:
             f.write(json.dumps(record) + "\n")
         self.metrics.heldout_tau.set(float(result["tau"]), tags=self.metrics.run)
-        if self.tb is not None:
-            self.tb.add_scalar("heldout/tau", float(result["tau"]), int(step))
+        if self.trackers is not None:
+            from dflash_ray.runtime.trackers import eval_scalars
+
+            self.trackers.log_eval(int(step), eval_scalars(result))
         if result["tau"] > best:
             _replace_dir(out, self.dir / BEST)
         else:
@@ -310,6 +323,8 @@ class RunCoordinator:
         for it (the write, the ledger, the barrier, and the upload unless it is async)."""
         c = self._checkpoint(attempt, step)
         c.update(seconds=float(seconds), upload=upload, write_seconds=write_seconds, bytes=nbytes)
+        # the step's own line is written before its checkpoint: what training waited goes on the next one
+        self.pending_metrics.update(checkpoint_seconds=float(seconds), checkpoint_seconds_step=int(step))
         self.metrics.ckpt_s.set(float(seconds), tags=self.metrics.run)
         if nbytes is not None:
             self.metrics.ckpt_bytes.set(float(nbytes), tags=self.metrics.run)
@@ -319,7 +334,7 @@ class RunCoordinator:
         step's own metrics line is written before (it holds the write's cost): the upload's seconds go on
         the next line, with the step they belong to."""
         self._checkpoint(attempt, step)["upload_seconds"] = float(seconds)
-        self.pending_metrics = {"checkpoint_upload_seconds": float(seconds), "checkpoint_upload_step": int(step)}
+        self.pending_metrics.update(checkpoint_upload_seconds=float(seconds), checkpoint_upload_step=int(step))
         self.metrics.ckpt_upload_s.set(float(seconds), tags=self.metrics.run)
 
     def checkpoint_cost(self) -> dict:
@@ -392,8 +407,9 @@ class RunCoordinator:
                 "timeline": self.timeline, "evals": self.evals, "stopped": self.stopped}
 
     def close(self) -> None:
-        if self.tb is not None:
-            self.tb.close()
+        if self.trackers is not None:
+            self.trackers.close()
+            self.trackers = None
 
 
 def _replace_dir(src: Path, dst: Path) -> None:
