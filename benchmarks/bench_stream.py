@@ -24,6 +24,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.dirname(__file__))
 GOAL_FIRST_STEP_S = 60.0
 
 
@@ -35,34 +36,18 @@ def main(argv=None) -> int:
     ap.add_argument("overrides", nargs="*", help="extra config overrides for the job")
     args = ap.parse_args(argv)
 
-    import numpy as np
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    from bench_load import ROW_TOKENS, build_inputs   # the same one-row-batch corpus as the load benchmark
 
     from dflash_ray.config import compose_config
-    from dflash_ray.data.synthetic import train_tokenizer, write_corpus
     from dflash_ray.train import main_job
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
-        corpus = write_corpus(root / "corpus.jsonl", 200, min_tokens=48, max_tokens=128, seed=1)
-        tok = train_tokenizer(corpus, root / "tok")
-        rng = np.random.default_rng(0)
-        n, length = args.rows, 24
-        ids = rng.integers(5, 500, size=(n, length), dtype=np.int32)
-        mask = np.ones((n, length), np.int8)
-        mask[:, :4] = 0
-        (root / "shards").mkdir()
-        pq.write_table(pa.table({
-            "sample_id": pa.array(np.arange(n, dtype=np.int64)),
-            "input_ids": pa.array(list(ids), type=pa.list_(pa.int32())),
-            "loss_mask": pa.array(list(mask), type=pa.list_(pa.int8())),
-            "num_tokens": pa.array(np.full(n, length, np.int32)),
-            "num_supervised": pa.array(np.full(n, length - 4, np.int32)),
-        }), root / "shards" / "part-00000.parquet")
+        n = args.rows
+        corpus, tok, _ = build_inputs(root, n)
         cfg = compose_config([f"run.root={root}", "run.name=stream", f"data.input={corpus}", f"data.tokenizer={tok}",
-                              f"data.shards={root / 'shards'}", "data.bucket_boundaries=[24]",
-                              "data.max_tokens_per_batch=24", "data.synthetic.heldout_prompts=0",
+                              f"data.shards={root / 'shards'}", f"data.bucket_boundaries=[{ROW_TOKENS}]",
+                              f"data.max_tokens_per_batch={ROW_TOKENS}", "data.synthetic.heldout_prompts=0",
                               f"train.max_steps={args.steps}", "train.heldout_every=0", "train.checkpoint_every=1000000",
                               "train.epochs=2", *args.overrides])
         t0 = time.time()
