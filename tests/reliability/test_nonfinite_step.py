@@ -162,12 +162,20 @@ def test_a_nan_filler_on_one_ddp_rank_adds_nothing(drafter_and_width, tmp_path):
     """Two real DDP processes (gloo), as in a run whose epoch ends on an odd batch: rank 1's last micro-step
     is a filler whose loss is NaN. Both ranks take the step, and their weights equal the real batch's step
     trained alone (DDP's all-reduce of rank 1's zero gradient happened, and added nothing)."""
-    import torch.multiprocessing as mp
+    import subprocess
+    import sys
 
     base, features = drafter_and_width
     real, pad = row(1, 16, features, 1), filler(16, features, 2)
     torch.save({"drafter": copy.deepcopy(base), "rows": [real, pad]}, tmp_path / "inputs.pt")
-    mp.spawn(_ddp_worker, args=(str(tmp_path),), nprocs=2, join=True)
+    # each rank a fresh interpreter (not mp.spawn from this process, which may hold a Ray session's state);
+    # a rank stuck for 240 s prints where and exits, rather than hanging the suite
+    procs = [subprocess.Popen(
+        [sys.executable, "-c", "import faulthandler, sys; faulthandler.dump_traceback_later(240, exit=True); "
+         f"sys.path[:0] = {sys.path!r}; from {__name__} import _ddp_worker; _ddp_worker({rank}, {str(tmp_path)!r})"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
+    outs = [p.communicate(timeout=300)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(outs)[-4000:]
 
     alone = copy.deepcopy(base)
     o1, s1 = adamw(alone)
