@@ -70,8 +70,8 @@ def test_two_nodes_keep_features_on_their_node_and_match_one_node(tiny_data, job
 @pytest.mark.slow
 def test_losing_a_node_mid_run_finishes_on_the_rest_exactly_once(tiny_data, job_run, tmp_path):
     """Rank 0 pauses inside the step-8 checkpoint (the test-only fault hook: a window to kill in, on the
-    first attempt only); the worker node dies there. The group restarts from the step-4 checkpoint on the
-    head, which can host the whole run (2 trainers, 2 target actors)."""
+    first attempt only); the worker node dies there. The group restarts from the latest complete checkpoint
+    (step 4 or 5) on the head, which can host the whole run (2 trainers, 2 target actors)."""
     pause = {"checkpoint_pause": {"step": 8, "seconds": 300, "where": "write", "attempts": [1]}}
     with Cluster(tmp_path, head={"cpus": 4, "resources": {"target_slot": 2}},
                  workers=[{"cpus": 2, "resources": {"target_slot": 1}}],
@@ -89,7 +89,9 @@ def test_losing_a_node_mid_run_finishes_on_the_rest_exactly_once(tiny_data, job_
         assert len(cluster.alive_nodes()) == 1           # the GCS saw the worker node die
     s = _summary(tmp_path, "loss", log)
     restarts = [e for e in read_jsonl(events) if e.get("event") == "trainer_group_restarted"]
-    assert [e["resume_step"] for e in restarts] == [4]
+    # back to the latest checkpoint registered before the kill: step 4 (every 4 steps) or step 5 (the end of
+    # epoch 0), whichever Ray Train had registered; never the unfinished step-8 one
+    assert len(restarts) == 1 and restarts[0]["resume_step"] in (4, 5)
     assert s["ledger"]["ok"] is True                     # every batch exactly once, steps in order
     ref = job_run["summary"]
     assert s["steps"] == ref["steps"] and s["tokens"] == ref["tokens"]
