@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
 # ONE prepared run for a lent GPU machine (one H200; its image has CUDA PyTorch, transformers, safetensors,
-# pyarrow, but no Ray, OmegaConf or Hydra), within about 8 minutes, every part under its own timeout:
+# pyarrow, but no Ray, OmegaConf or Hydra), within about 9 minutes (560 s of part time-outs), every part under its own timeout:
 #   1. the drafter step at Qwen3-8B's drafter shape (bf16 autocast, compiled): ms/step, MFU, peak memory;
 #      then the smallest and the largest bucket's batch under the anchor budget (32 x 512 and 2 x 8192
 #      tokens, model.anchors_per_batch=512): peak memory of each
 #   2. target feature capture at Qwen3-8B's shape vs output_hidden_states=True: tokens/s, peak memory
 #   3. the runtime's GPU-only paths without Ray (benchmarks/gpu_check.py): the step's all-reduce on NCCL,
 #      the bf16 feature encoding, checkpoint write/restore on CUDA
-# Writes $OUT/gpu_check.json (all figures) beside each part's log. Usage (device tool):
+# Writes $OUT/gpu_check.json (all figures) beside each part's log. The image lacks the reference `dflash`
+# (part 2's oracle): carry its wheel in .whl/ (`pip download --no-deps -d .whl dflash==0.1.0`), installed here.
+# Usage (device tool):
 #   bash benchmarks/gpu_check.sh            # OUT defaults to ./gpu_check_out
 #   GPU_CHECK_CPU=1 bash benchmarks/gpu_check.sh   # the same script at CPU-small shapes (what CI runs)
 set -uo pipefail
@@ -17,6 +19,10 @@ mkdir -p "$OUT"
 PY=${PYTHON:-python3}
 [ -x .venv/bin/python ] && [ -z "${PYTHON:-}" ] && PY=.venv/bin/python
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if ls .whl/*.whl >/dev/null 2>&1 && ! "$PY" -c "import dflash" 2>/dev/null; then
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --target /tmp/gpu_check_site .whl/*.whl || exit 2
+  export PYTHONPATH="$PYTHONPATH:/tmp/gpu_check_site"
+fi
 small=()
 if [ -n "${GPU_CHECK_CPU:-}" ]; then
   small=(--cpu-small)
@@ -35,15 +41,15 @@ part() {  # part NAME SECONDS COMMAND...: run, log, remember a failure, go on
   echo "   exit $rc ($OUT/$name.log)"
   [ $rc -eq 0 ] || status=1
 }
-part drafter_step 200 "$PY" benchmarks/bench_drafter_step.py "${small[@]}" --json "$OUT/drafter_step.json"
-part bucket_smallest 120 "$PY" benchmarks/bench_drafter_step.py "${small[@]}" ${buckets[0]} --steps 3 --warmup 1 \
-  --anchors-per-batch "$budget" --json "$OUT/bucket_smallest.json"
-part bucket_largest 120 "$PY" benchmarks/bench_drafter_step.py "${small[@]}" ${buckets[1]} --steps 3 --warmup 1 \
-  --anchors-per-batch "$budget" --json "$OUT/bucket_largest.json"
-part target_capture 150 "$PY" benchmarks/bench_target_capture.py "${small[@]}" --json "$OUT/target_capture.json"
 device=()
 [ -n "${GPU_CHECK_CPU:-}" ] && device=(--device cpu)
-part runtime_paths 90 "$PY" benchmarks/gpu_check.py "${device[@]}" --out "$OUT/runtime_paths.json"
+part runtime_paths 60 "$PY" benchmarks/gpu_check.py "${device[@]}" --out "$OUT/runtime_paths.json"
+part drafter_step 180 "$PY" benchmarks/bench_drafter_step.py "${small[@]}" --json "$OUT/drafter_step.json"
+part bucket_smallest 100 "$PY" benchmarks/bench_drafter_step.py "${small[@]}" ${buckets[0]} --steps 3 --warmup 1 \
+  --anchors-per-batch "$budget" --json "$OUT/bucket_smallest.json"
+part bucket_largest 100 "$PY" benchmarks/bench_drafter_step.py "${small[@]}" ${buckets[1]} --steps 3 --warmup 1 \
+  --anchors-per-batch "$budget" --json "$OUT/bucket_largest.json"
+part target_capture 120 "$PY" benchmarks/bench_target_capture.py "${small[@]}" --json "$OUT/target_capture.json"
 "$PY" - "$OUT" <<'PYEOF'
 import json, sys
 from pathlib import Path

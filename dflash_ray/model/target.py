@@ -8,6 +8,7 @@ to the last tapped layer, never the LM head, and keeps no other layer's hidden s
 """
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import os
@@ -17,6 +18,11 @@ import torch
 from torch import nn
 
 from transformers.masking_utils import create_causal_mask
+
+# transformers renamed create_causal_mask's `past_key_values` to `cache` (between 5.17, the GPU image's, and
+# 5.24, this machine's). Pass whichever name this version takes.
+_MASK_PARAMS = inspect.signature(create_causal_mask).parameters
+_NO_CACHE = {("cache" if "cache" in _MASK_PARAMS else "past_key_values"): None}
 
 logger = logging.getLogger(__name__)
 
@@ -191,7 +197,7 @@ class TargetFeatureExtractor(nn.Module):
         position_ids = torch.arange(seq, device=input_ids.device).unsqueeze(0).expand(batch_size, -1)
         mask = create_causal_mask(
             config=self.config, inputs_embeds=hidden, attention_mask=attention_mask,
-            cache=None, position_ids=position_ids,
+            position_ids=position_ids, **_NO_CACHE,
         )
         position_embeddings = dec.rotary_emb(hidden, position_ids)
         layer_types = getattr(self.config, "layer_types", None)
