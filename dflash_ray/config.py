@@ -94,6 +94,7 @@ class ClusterConfig:
     nodes: int = 1                   # nodes the cluster has (the capacity model's per-node split; the runtime sees them)
     token_block_mb: float = 8.0      # the token store's blocks (Ray Data, in the object stores): the transfer unit
     token_cache_mb: float = 256.0    # blocks each join process keeps (LRU)
+    stream_block_mb: float = 32.0    # Ray Data blocks of the stream: as many plan batches as fit (0: one a block)
     device_memory_gb: float = 139.0  # GiB per GPU, as torch.cuda reports it (H200: ~139); the memory model's bound
     target_tokens_per_gpu: Optional[float] = None   # measured rates for the capacity model (plan)
     drafter_tokens_per_gpu: Optional[float] = None
@@ -273,6 +274,9 @@ def _check_rules(cfg: DictConfig) -> None:
     if int(t.stream_window_rows) < 0:
         raise UserError(f"config key 'train.stream_window_rows': must be >= 0 (0: one stream for the whole run), "
                         f"got {t.stream_window_rows}")
+    if float(c.stream_block_mb) < 0:
+        raise UserError(f"config key 'cluster.stream_block_mb': must be >= 0 (0: one plan batch a block), "
+                        f"got {c.stream_block_mb}")
     per_step = int(c.drafter_workers) * int(t.grad_accum)
     if int(c.max_batches_in_flight) < per_step:
         raise UserError(f"config key 'cluster.max_batches_in_flight': {c.max_batches_in_flight} is less than "

@@ -4,25 +4,42 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pyarrow as pa
 import pytest
 
 from dflash_ray.runtime.capacity import node_split
 from dflash_ray.runtime.feed import rank_rows
-from dflash_ray.runtime.pipeline import node_groups, node_row, target_shares
+from dflash_ray.runtime.pipeline import (MAX_ROWS_PER_BLOCK, block_rows, node_groups, rows_per_block,
+                                        stream_blocks, target_shares)
 
 
 def test_a_node_stream_carries_exactly_its_ranks_rows_in_order():
-    # world 4, the node hosts ranks 1 and 3: rows 1, 3, 5, 7, 9, 11, ...
-    assert [node_row(k, (1, 3), 4) for k in range(6)] == [1, 3, 5, 7, 9, 11]
-    assert [node_row(k, (), 4) for k in range(3)] == [0, 1, 2]          # the one stream of all ranks
-    # round-robin over the node's ranks hands rank r exactly what feed.rank_rows assigns it
+    # world 4, the node hosts ranks 1 and 3, blocks of 2 rows, 5 rows a rank: blocks alternate rank 1 / 3
+    rows = [block_rows(b, 2, 5, (1, 3), 4) for b in range(stream_blocks(5, 2, 2))]
+    assert rows == [[1, 5], [3, 7], [9, 13], [11, 15], [17], [19]]
+    assert [block_rows(b, 1, 3, (0, 1, 2, 3), 4) for b in range(4)] == [[0], [1], [2], [3]]  # one row a block
+    # round-robin of blocks over the node's ranks hands rank r exactly what feed.rank_rows assigns it
     per_step, world, steps = 4, 4, 5
     for ranks in [(0, 2), (1, 3), (3,), (0, 1, 2, 3)]:
-        rows = [node_row(k, ranks, world) for k in range(steps * per_step * len(ranks) // world)]
-        for i, r in enumerate(ranks):
-            got = rows[i::len(ranks)]
-            want = [x for s in range(steps) for x in rank_rows(s, per_step, world, r)]
-            assert got == want, (ranks, r)
+        for per_block in (1, 2, 3, 7):
+            per_rank = steps * per_step // world
+            blocks = [block_rows(b, per_block, per_rank, ranks, world)
+                      for b in range(stream_blocks(per_rank, per_block, len(ranks)))]
+            for i, r in enumerate(ranks):
+                got = [x for blk in blocks[i::len(ranks)] for x in blk]
+                want = [x for s in range(steps) for x in rank_rows(s, per_step, world, r)]
+                assert got == want, (ranks, per_block, r)
+            assert len({len(b) for b in blocks[-len(ranks):]}) == 1   # every rank's last block alike
+
+
+def test_rows_per_block_fits_the_largest_batch_in_the_budget():
+    lengths = pa.array([[3, 5], [10], [2, 2, 2]], type=pa.list_(pa.int32()))   # padded: 2x5, 1x10, 3x2
+    assert rows_per_block(lengths, 1000, 0.1) == 10          # 10 tokens x 1000 B; 0.1 MiB = 104,857 B
+    assert rows_per_block(lengths, 1000, 0) == 1             # off
+    assert rows_per_block(lengths, 0, 32) == 1               # width unknown
+    assert rows_per_block(lengths, 1, 32) == MAX_ROWS_PER_BLOCK
+    assert rows_per_block(lengths, 2**20, 100) == 6          # 10 MiB rows; capped at 64 MiB (half Ray's 128)
+    assert rows_per_block(lengths, 2**24, 32) == 1           # a batch larger than the block: one a block
 
 
 def test_ranks_group_by_node_in_rank_order():

@@ -46,6 +46,7 @@ def test_run_directory(job_run, tiny_plan_batches):
     assert s["export"] == str(run / "export")
     # the stream stayed inside the flight window; the target actor did every row (fillers included)
     assert 2 <= s["max_batches_in_flight"] <= s["flight_window"]
+    assert s["stream_rows_per_block"] > 1     # tiny batches share blocks (cluster.stream_block_mb)
     assert sum(t["batches"] for t in s["target_actors"].values()) == 2 * sum(steps)
     # every step logged; the loss goes down on this learnable corpus
     metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

@@ -256,6 +256,28 @@ def test_flight_window_admits_in_order_and_blocks_beyond(ray_session, tmp_path):
     ray.kill(coord)
 
 
+def test_flight_window_holds_a_step_and_two_rounds_of_blocks(ray_session, tmp_path):
+    """Blocks of 4 rows on 2 ranks, 2 rows a step: a block is admitted by its last row, so the window
+    must hold a round (8 rows) beyond the step; it takes 2 + 2 x 4 x 2 = 18, not the configured 3."""
+    import ray
+
+    from dflash_ray.runtime.coordinator import RunCoordinator
+
+    coord = ray.remote(RunCoordinator).options(num_cpus=0, max_concurrency=100).remote(
+        str(tmp_path), "blocks", 3, 2)
+    gen = ray.get(coord.reset_feed.remote(10, {}, 2, rows_per_block=4, world=2))
+    assert ray.get(coord.admit.remote(gen, 17), timeout=30) is True     # rounds 0 and 1 (rows 0..15) and more
+    blocked = coord.admit.remote(gen, 18)
+    ready, _ = ray.wait([blocked], timeout=1.0)
+    assert not ready
+    coord.consumed_upto.remote(gen, 2)
+    assert ray.get(blocked, timeout=30) is True
+    assert ray.get(coord.report.remote())["window"] == 18
+    gen = ray.get(coord.reset_feed.remote(10, {}, 2, rows_per_block=1, world=2))   # one row a block: as configured
+    assert ray.get(coord.report.remote())["window"] == 3
+    ray.kill(coord)
+
+
 def test_coordinator_writes_ledger_metrics_and_tensorboard(ray_session, tmp_path):
     from dflash_ray.runtime.coordinator import RunCoordinator, last_metrics
 

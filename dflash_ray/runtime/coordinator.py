@@ -2,9 +2,10 @@
 
 It outlives trainer restarts (the driver owns it), so it is where the run's memory lives:
 
-* the flight window: a batch enters the pipeline (tokens joined, then a target forward) only when its
-  feed row index < consumed + max_batches_in_flight, so the object store never holds more than that many
-  batches' features. The lowest unconsumed row is always admitted, so the window cannot deadlock.
+* the flight window: a block of batches enters the pipeline (tokens joined, then target forwards) only
+  when its last feed row index < consumed + window (max_batches_in_flight; with blocks of several tiny
+  batches, a step and two rounds of blocks: see reset_feed), so the object store never holds more than
+  that many batches' features, and the rows a step needs always fit: the window cannot deadlock.
 * the ledger and metrics.jsonl (written on the driver's node, so no shared file system is needed),
   rolled back to the checkpoint's step when training restarts after a failure;
 * what the target actors did (batches, busy seconds, restarts) and the trainer restarts survived;
@@ -65,7 +66,9 @@ class RunCoordinator:
         self.dir = Path(run_dir)
         self.dir.mkdir(parents=True, exist_ok=True)
         self.run_name = run_name
-        self.window = int(window)
+        self.base_window = int(window)   # cluster.max_batches_in_flight; a stream's blocks may need more
+        self.window = self.base_window
+        self.rows_per_block = 1
         self.metrics = _Metrics(run_name, num_buckets)
         self.cond = asyncio.Condition()
         self.gen = 0
@@ -114,10 +117,18 @@ class RunCoordinator:
 
     # ------------------------------------------------------------ flight window
     async def reset_feed(self, total_steps: int, cursor: dict, batches_per_step: int, schedule_steps: int = 0,
-                         rank_nodes: list | None = None, placement: list | None = None) -> int:
+                         rank_nodes: list | None = None, placement: list | None = None, rows_per_block: int = 1,
+                         world: int = 1) -> int:
         """A new Ray Data stream starts (first start or a restart): a new generation of row indices.
-        rank_nodes: the node of each trainer rank; placement: the node streams (for the report)."""
+        rank_nodes: the node of each trainer rank; placement: the node streams (for the report).
+        A block (one rank's next `rows_per_block` rows) is admitted by its last row, and the stream hands
+        blocks out a round (one per rank) at a time: with blocks of several rows the window holds a step
+        and two rounds (or cluster.max_batches_in_flight, when larger), so the round a step needs always
+        fits (no deadlock) and the next one is being computed meanwhile."""
         async with self.cond:
+            self.rows_per_block = int(rows_per_block)
+            self.window = self.base_window if self.rows_per_block <= 1 else max(
+                self.base_window, int(batches_per_step) + 2 * self.rows_per_block * int(world))
             self.rank_nodes = list(rank_nodes or [])
             if placement is not None:
                 self.placement = list(placement)
@@ -169,6 +180,11 @@ class RunCoordinator:
             self.target_restarts += 1
             self._event("target_actor_restarted", actor=key, pid=pid)
         self._failures_gauge()
+
+    def target_batches(self, key: str, report: list) -> None:
+        """A target actor's block: (busy seconds, tokens, bucket, feed index, feature bytes) per batch."""
+        for busy_s, tokens, bucket, index, nbytes in report:
+            self.target_batch(key, busy_s, tokens, bucket, index, nbytes)
 
     def target_batch(self, key: str, busy_s: float, tokens: int, bucket: int, index: int = -1,
                      nbytes: int = 0) -> None:
@@ -402,6 +418,7 @@ class RunCoordinator:
                 "trainer_restarts": self.trainer_restarts, "target_restarts": self.target_restarts,
                 "failures_survived": self.failures_survived(), "rolled_back_steps": self.rolled_back_steps,
                 "attempts": self.attempts, "windows": self.windows, "max_batches_in_flight": self.max_in_flight, "window": self.window,
+                "rows_per_block": self.rows_per_block,
                 "targets": targets, "checkpoints": self.checkpoints, "checkpoint_cost": self.checkpoint_cost(),
                 "last": self.last, "placement": self.placement, "feature_traffic": dict(self.features),
                 "timeline": self.timeline, "evals": self.evals, "stopped": self.stopped}

@@ -1,11 +1,18 @@
 """The Ray Data pipeline: feed rows -> tokens joined -> TargetForward actor pool -> Ray Train workers.
 
-    ray.data.range(rows, one row per block)            the feed (feed.py) from the resume cursor
-      .map_batches(join_tokens)   tasks                 admitted by the flight window, then the batch's
-                                                        tokens looked up and right-padded
+    ray.data.range(blocks, one id per block)           the feed (feed.py) from the resume cursor, in blocks
+                                                        of G plan batches, each block one rank's next G rows
+      .map_batches(join_tokens)   tasks                 admitted by the flight window, then each batch's
+                                                        tokens looked up and right-padded: a G-row block
       .map_batches(TargetForward) actor pool            one actor per target GPU (a custom resource on
                                                         CPU machines): context features of the tapped layers
-      -> streaming_split(workers) inside Ray Train      order preserved, one-row blocks: round-robin
+      -> streaming_split(workers) inside Ray Train      order preserved, equal blocks: round-robin
+
+G (`rows_per_block`) is as many plan batches as fit in `cluster.stream_block_mb` with the feed's largest
+batch's features: Ray Data's costs are per block and per task (the split coordinator, a task per join, an
+actor call per forward: ~70 ms of CPU a block on this machine), so tiny batches share them, while a GPU
+run's batches (~0.7 GB of features at Qwen3-8B's shape) stay one a block, as a block is also the unit of
+memory in flight.
 
 `DatasetFactory.splits` builds the streams each time the worker group (re)starts (Ray Train calls it
 through data_config.NodeLocalDataConfig), so a restarted group gets fresh streams that start at the
@@ -20,7 +27,7 @@ import time
 
 import numpy as np
 
-from dflash_ray.runtime.rows import FEED_COLUMNS, FEED_SCALARS, encode_features, token_row
+from dflash_ray.runtime.rows import FEED_COLUMNS, FEED_SCALARS, encode_features, stack_rows, token_row
 from dflash_ray.runtime.token_store import TokenStore
 
 
@@ -47,34 +54,93 @@ def _get(holder: _Ref):
 
 
 def join_tokens(batch: dict, *, feed: _Ref, tokens: _Ref, coordinator: str, namespace: str, gen: int,
-                pad_id: int, block_size: int, ranks: tuple = (), world: int = 0) -> dict:
-    """One feed row -> one batch of right-padded tokens (after the flight window admits it). A node's
-    stream (ranks = the ranks on the node, world = all ranks) numbers its rows k = 0, 1, ...: its k-th row
-    is feed row (k // len(ranks)) * world + ranks[k % len(ranks)], the k-th row its ranks train."""
+                pad_id: int, block_size: int, ranks: tuple, world: int, rows_per_block: int,
+                rows_per_rank: int) -> dict:
+    """One block id -> the block's plan batches of right-padded tokens, one row each (after the flight
+    window admits the block's last row). See `block_rows` for which feed rows a block holds."""
     import ray
 
-    index = node_row(int(batch["id"][0]), ranks, world)
+    indices = block_rows(int(batch["id"][0]), rows_per_block, rows_per_rank, ranks, world)
     key = ("actor", coordinator, namespace)
     if key not in _CACHE:
         _CACHE[key] = ray.get_actor(coordinator, namespace=namespace)
-    ray.get(_CACHE[key].admit.remote(gen, index))
+    ray.get(_CACHE[key].admit.remote(gen, indices[-1]))
     table = _get(feed)
-    row = {k: table.column(k)[index].as_py() for k in FEED_COLUMNS}
-    if row["position"] < 0:  # filler: pads an epoch's last step to a full step; trains nothing
-        n = 2 * block_size + 2
-        ids, mask, lengths = np.full((1, n), pad_id, np.int32), np.ones((1, n), np.int8), np.array([n])
-    else:
-        store = TokenStore(**_get(tokens))
-        lengths = np.asarray(row["lengths"], np.int64)
-        ids, mask = store.batch(np.asarray(row["sample_ids"], np.int64), lengths, pad_id)
-    return token_row({k: row[k] for k in FEED_SCALARS}, gen, ids, mask, lengths)
+    store = None
+    rows = []
+    for index in indices:
+        row = {k: table.column(k)[index].as_py() for k in FEED_COLUMNS}
+        if row["position"] < 0:  # filler: pads an epoch's last step to a full step; trains nothing
+            n = 2 * block_size + 2
+            ids, mask, lengths = np.full((1, n), pad_id, np.int32), np.ones((1, n), np.int8), np.array([n])
+        else:
+            store = store or TokenStore(**_get(tokens))
+            lengths = np.asarray(row["lengths"], np.int64)
+            ids, mask = store.batch(np.asarray(row["sample_ids"], np.int64), lengths, pad_id)
+        rows.append(token_row({k: row[k] for k in FEED_SCALARS}, gen, ids, mask, lengths))
+    return stack_rows(rows)
 
 
-def node_row(k: int, ranks: tuple, world: int) -> int:
-    """The feed row index of a node stream's k-th row (the identity for the one stream of all ranks)."""
-    if not ranks:
-        return k
-    return (k // len(ranks)) * world + ranks[k % len(ranks)]
+def block_rows(block: int, rows_per_block: int, rows_per_rank: int, ranks: tuple, world: int) -> list[int]:
+    """The feed rows of a stream's block, in order. A stream serves `ranks` (all ranks of the run, or a
+    node's); its blocks go round-robin over them (equal blocks, order preserved), so block b belongs to rank
+    ranks[b % len(ranks)] and holds that rank's next G rows: its local rows k = (b // len(ranks)) * G ..
+    (fewer at its end), and a rank's k-th row is feed row k * world + rank, as feed.rank_rows assigns."""
+    slot, turn = block % len(ranks), block // len(ranks)
+    first = turn * rows_per_block
+    return [k * world + ranks[slot] for k in range(first, min(first + rows_per_block, rows_per_rank))]
+
+
+def stream_blocks(rows_per_rank: int, rows_per_block: int, n_ranks: int) -> int:
+    """Blocks of a stream of `n_ranks` ranks with `rows_per_rank` rows each (every rank's last block may be
+    short, the same length for all: the round-robin stays aligned)."""
+    return n_ranks * -(-rows_per_rank // rows_per_block)
+
+
+MAX_ROWS_PER_BLOCK = 64   # bounds the rows a round of blocks takes from the flight window
+
+
+def rows_per_block(lengths, bytes_per_token: int, block_mb: float) -> int:
+    """Plan batches per stream block: as many of the feed's largest batch (padded rows x width tokens, at
+    `bytes_per_token` through the stream: features, ids, mask) as fit in `block_mb`; 1 when block_mb or
+    bytes_per_token is 0; at most MAX_ROWS_PER_BLOCK. lengths: the feed's `lengths` list column. Kept
+    under half of Ray Data's target_max_block_size (128 MiB), above which it splits an output block and
+    the round-robin would no longer hand each rank whole blocks."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    if block_mb <= 0 or bytes_per_token <= 0 or len(lengths) == 0:
+        return 1
+    arr = lengths.combine_chunks() if isinstance(lengths, pa.ChunkedArray) else lengths
+    counts = pc.list_value_length(arr).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
+    flat = pc.list_flatten(arr).to_numpy(zero_copy_only=False).astype(np.int64)
+    if flat.size == 0:
+        return 1
+    starts = np.cumsum(counts) - counts
+    widest = np.maximum.reduceat(flat, starts[counts > 0])
+    largest = int((counts[counts > 0] * widest).max()) * int(bytes_per_token)
+    budget = min(float(block_mb) * 2**20, _max_block_bytes() / 2)
+    return int(max(1, min(MAX_ROWS_PER_BLOCK, budget // max(largest, 1))))
+
+
+def _max_block_bytes() -> float:
+    try:
+        from ray.data import DataContext
+
+        return float(DataContext.get_current().target_max_block_size or 128 * 2**20)
+    except ImportError:
+        return 128 * 2**20
+
+
+def stream_bytes_per_token(run_spec) -> int:
+    """Bytes a token carries through the stream: the tapped layers' features (bf16 on a GPU, fp32 on the
+    CPU: what load_feature_extractor picks), its id (int32) and its loss-mask byte; 0 when the target's
+    width is unknown."""
+    hidden = int(getattr(run_spec, "target_hidden_size", 0) or 0)
+    if hidden <= 0:
+        return 0
+    per_value = 2 if run_spec.cluster.use_gpu else 4
+    return hidden * len(run_spec.drafter.target_layer_ids) * per_value + 4 + 1
 
 
 def target_context(extract, input_ids: np.ndarray, lengths: np.ndarray, device) -> tuple[np.ndarray, str]:
@@ -112,16 +178,23 @@ class TargetForward:
         ray.get(self.coord.target_started.remote(self.key, os.getpid(), ray.get_runtime_context().get_node_id()))
 
     def __call__(self, batch: dict) -> dict:
-        t0 = time.perf_counter()
-        if int(batch["position"][0]) < 0:  # a filler: zeros of the right shape, no forward
-            width = self.extract.hidden_size * len(self.extract.layer_ids)
-            feats, dtype = np.zeros(batch["input_ids"].shape[1:] + (width,), np.float32), "float32"
-        else:
-            feats, dtype = target_context(self.extract, batch["input_ids"][0], batch["lengths"][0], self.device)
-        self.coord.target_batch.remote(self.key, time.perf_counter() - t0, int(batch["num_tokens"][0]),
-                                       int(batch["bucket"][0]), int(batch["index"][0]), int(feats.nbytes))
-        batch["context"] = feats[None]
-        batch["context_dtype"] = np.array([dtype])
+        """A block of plan batches (see rows.stack_rows): each one's features, one report for the block."""
+        contexts, dtypes, report = [], [], []
+        for i in range(len(batch["position"])):
+            t0 = time.perf_counter()
+            ids = batch["input_ids"][i]
+            if int(batch["position"][i]) < 0:  # a filler: zeros of the right shape, no forward
+                width = self.extract.hidden_size * len(self.extract.layer_ids)
+                feats, dtype = np.zeros(ids.shape + (width,), np.float32), "float32"
+            else:
+                feats, dtype = target_context(self.extract, ids, batch["lengths"][i], self.device)
+            contexts.append(feats)
+            dtypes.append(dtype)
+            report.append((time.perf_counter() - t0, int(batch["num_tokens"][i]), int(batch["bucket"][i]),
+                           int(batch["index"][i]), int(feats.nbytes)))
+        self.coord.target_batches.remote(self.key, report)
+        batch["context"] = contexts
+        batch["context_dtype"] = np.array(dtypes)
         return batch
 
 
@@ -177,25 +250,31 @@ class DatasetFactory:
         feed = self.feed()
         coord = ray.get_actor(s.coordinator, namespace=s.namespace)
         placement = [{"node": node, "ranks": list(ranks), "target_actors": k} for (node, ranks), k in zip(groups, shares)]
+        per_block = rows_per_block(feed.table.column("lengths"), stream_bytes_per_token(s),
+                                   float(getattr(s.cluster, "stream_block_mb", 0) or 0))
         gen = ray.get(coord.reset_feed.remote(feed.total_steps, feed.cursor.as_dict(), s.batches_per_step,
-                                             feed.schedule_steps, list(worker_node_ids or []), placement))
+                                             feed.schedule_steps, list(worker_node_ids or []), placement,
+                                             rows_per_block=per_block, world=world_size))
         feed_ref = ray.put(feed.table)
         out = [None] * world_size
         for (node, ranks), k in zip(groups, shares):
-            ds = self.stream(feed_ref, feed.num_rows, gen, node, ranks if node is not None else (), world_size, k)
-            ds.context.execution_options.preserve_order = True   # one-row blocks: round-robin over the ranks
+            ds = self.stream(feed_ref, feed.num_rows, gen, node, ranks, world_size, k, per_block)
+            ds.context.execution_options.preserve_order = True   # equal blocks: round-robin over the ranks
             for r, it in zip(ranks, ds.streaming_split(len(ranks), equal=True)):
                 out[r] = {"train": it}
         return out
 
-    def stream(self, feed_ref, num_rows: int, gen: int, node, ranks: tuple, world: int, target_actors: int):
-        """The Ray Data stream of one node's rows (all rows: node None, ranks ())."""
+    def stream(self, feed_ref, num_rows: int, gen: int, node, ranks: tuple, world: int, target_actors: int,
+               per_block: int = 1):
+        """The Ray Data stream of the rows `ranks` train (node None: actors anywhere), in blocks of
+        `per_block` plan batches (see block_rows)."""
         import ray
         from ray.data import ActorPoolStrategy
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
         s, c = self.run_spec, self.run_spec.cluster
-        n = num_rows * len(ranks) // world if ranks else num_rows
+        per_rank = num_rows // world   # the feed gives every rank the same number of rows
+        n = stream_blocks(per_rank, per_block, len(ranks))
         ds = ray.data.range(max(n, 1), override_num_blocks=max(n, 1))
         if n == 0:
             return ds.limit(0)
@@ -204,14 +283,14 @@ class DatasetFactory:
             join_tokens, batch_size=1, num_cpus=0.25, concurrency=2,
             fn_kwargs=dict(feed=_Ref(feed_ref), tokens=self.tokens, coordinator=s.coordinator,
                            namespace=s.namespace, gen=gen, pad_id=s.pad_token_id, block_size=s.drafter.block_size,
-                           ranks=tuple(ranks), world=world),
+                           ranks=tuple(ranks), world=world, rows_per_block=per_block, rows_per_rank=per_rank),
             **pin)
         if c.use_gpu:
             res = dict(num_gpus=c.target_gpus, num_cpus=1)
         else:
             res = dict(num_cpus=0.5, resources={c.target_resource: 1})
-        return ds.map_batches(
-            TargetForward, batch_size=1, compute=ActorPoolStrategy(size=target_actors),
+        return ds.map_batches(   # batch_size None: a block is one call (never merged with the next)
+            TargetForward, batch_size=None, compute=ActorPoolStrategy(size=target_actors),
             fn_constructor_kwargs=dict(target_path=s.target_path, layer_ids=list(s.drafter.target_layer_ids),
                                        use_gpu=c.use_gpu, coordinator=s.coordinator, namespace=s.namespace,
                                        gpu_share=c.target_gpus),

@@ -1,6 +1,7 @@
 """The stream's row schema, defined once: what a feed row carries, what the token join adds, what the
-target actor adds, and what a trainer reads back. One Ray Data row = one plan batch (batch_size=1 in
-every stage, so every column holds a leading axis of length 1).
+target actor adds, and what a trainer reads back. One Ray Data row = one plan batch; a block holds G of
+them (pipeline.rows_per_block), so the tensor columns are ragged across a block's rows (Ray Data's
+variable-shaped tensors) and a trainer reads one row at a time (batch_size=1: a leading axis of length 1).
 
     feed row (feed.py)    index, epoch, position, epoch_batches, bucket, num_tokens, sample_ids, lengths
     after join_tokens     FEED_SCALARS + gen, input_ids [1,rows,width], loss_mask, lengths [1,rows]
@@ -33,6 +34,18 @@ def token_row(scalars: dict, gen: int, input_ids: np.ndarray, loss_mask: np.ndar
     out["input_ids"] = input_ids[None]
     out["loss_mask"] = loss_mask[None]
     out["lengths"] = np.asarray(lengths).astype(np.int32)[None]
+    return out
+
+
+def stack_rows(rows: list[dict]) -> dict:
+    """One block's batch from its rows (`token_row` outputs, each one row long): scalar columns
+    concatenated, tensor columns as a list of each row's array (their shapes differ from row to row)."""
+    out = {}
+    for k, first in rows[0].items():
+        if first.ndim == 1:
+            out[k] = np.concatenate([r[k] for r in rows])
+        else:
+            out[k] = [r[k][0] for r in rows]
     return out
 
 

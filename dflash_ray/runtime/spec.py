@@ -42,6 +42,7 @@ class RunSpec:
     heldout_max_new_tokens: int = 64
     namespace: str = "dflash"
     init_from: str | None = None    # an exported drafter the run starts from at step 0 (checked against the run)
+    target_hidden_size: int = 0     # the target's width: sizes the stream's blocks (0: unknown, one batch a block)
 
     @property
     def batches_per_step(self) -> int:
@@ -173,7 +174,8 @@ def resolve_spec(cfg, log=print, *, inputs: bool = True, record: bool = True) ->
         vocab_size=target_vocab, pad_token_id=int(tok.pad_token_id if tok.pad_token_id is not None else 0),
         plan=PlanSpec.from_config(cfg), drafter=drafter, train=train, cluster=OmegaConf.to_object(cfg.cluster),
         coordinator=coordinator_name(str(cfg.run.name)), heldout=heldout,
-        heldout_max_new_tokens=int(cfg.eval.max_new_tokens), init_from=init_from)
+        heldout_max_new_tokens=int(cfg.eval.max_new_tokens), init_from=init_from,
+        target_hidden_size=int(getattr(tcfg, "hidden_size", 0) or 0))
     if record:
         check_run_inputs(spec, tcfg, scan, log=log)
     return spec
