@@ -211,47 +211,30 @@ def build_inputs(root: Path, rows: int):
 def calibrate(run_spec, steps: int) -> dict:
     """CPU seconds (thread_time) of the model compute per feed row: the target forward of each row and the
     drafter's train_step, one thread, on the feed's first rows (as bench_pipeline.plain_loop builds them)."""
-    import numpy as np
     import torch
 
-    from dflash_ray.data.shards import read_all
-    from dflash_ray.model.target import load_feature_extractor
-    from dflash_ray.runtime.feed import Cursor, build_feed
-    from dflash_ray.runtime.pipeline import target_context
-    from dflash_ray.runtime.rows import FILLER, TrainRow, token_row
-    from dflash_ray.runtime.step import LossModule, build_run_drafter, make_optimizer, train_step
-    from dflash_ray.runtime.token_store import TokenStore
+    from bench_pipeline import plain_row, plain_setup
+    from dflash_ray.runtime.rows import FILLER
+    from dflash_ray.runtime.step import train_step
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         per_step = run_spec.batches_per_step
-        store = TokenStore.from_table(read_all(run_spec.shards, run_spec.vocab_size))
-        feed = build_feed(run_spec.build_plan, Cursor(), per_step, run_spec.train.epochs, steps)
-        target = load_feature_extractor(run_spec.target_path, list(run_spec.drafter.target_layer_ids))
-        drafter = build_run_drafter(run_spec, torch.device("cpu"))
-        model = LossModule(drafter)
-        opt, sched = make_optimizer(run_spec.train, drafter, feed.schedule_steps)
-        rows = feed.table.to_pylist()
+        p = plain_setup(run_spec, steps)
         target_cpu = drafter_cpu = 0.0
         n_rows = 0
-        for s in range(feed.steps):
+        for s in range(p.feed.steps):
             batch = []
-            for row in rows[s * per_step:(s + 1) * per_step]:
+            for row in p.rows[s * per_step:(s + 1) * per_step]:
                 if row["position"] == FILLER:
                     continue
-                lengths = np.asarray(row["lengths"])
-                ids, mask = store.batch(np.asarray(row["sample_ids"]), lengths, run_spec.pad_token_id)
-                c0 = time.thread_time()
-                context, dtype = target_context(target, ids, lengths, "cpu")
-                c1 = time.thread_time()
+                train_row, cpu = plain_row(p, run_spec, row)
                 if s > 0:  # the first step warms up
-                    target_cpu += c1 - c0
-                cols = token_row(row, 0, ids, mask, lengths)
-                batch.append(TrainRow.from_batch({**cols, "context": context[None],
-                                                  "context_dtype": np.array([dtype])}))
+                    target_cpu += cpu
+                batch.append(train_row)
             c0 = time.thread_time()
-            train_step(model, drafter, opt, sched, batch, rank=0, workers=1, batches_per_step=len(batch),
+            train_step(p.model, p.drafter, p.opt, p.sched, batch, rank=0, workers=1, batches_per_step=len(batch),
                        seed=run_spec.seed, grad_clip=run_spec.train.grad_clip, device=torch.device("cpu"))
             if s > 0:
                 drafter_cpu += time.thread_time() - c0
@@ -324,7 +307,7 @@ def main(argv=None) -> int:
 
     from dflash_ray.config import compose_config
     from dflash_ray.runtime.capacity import SEED_RUN
-    from dflash_ray.runtime.spec import coordinator_name, resolve_spec
+    from dflash_ray.runtime.spec import coordinator_name
     from dflash_ray.train import main_job
 
     quiet = lambda *a, **k: None  # noqa: E731

@@ -29,28 +29,56 @@ os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 GOAL = 0.8   # Ray pipeline tokens/s over the plain loop's
 
 
-def plain_loop(run_spec, steps: int, threads: int) -> dict:
-    """The same batches and the same step function (`train_step`) as the Ray workers, in one process."""
-    import numpy as np
+def plain_setup(run_spec, steps: int):
+    """What a Ray-free loop over the run's batches needs (this file's plain loop, bench_load's calibration):
+    the token store, the feed of `steps` steps and its rows, the target, the run's drafter and optimizer."""
+    from types import SimpleNamespace
+
     import torch
 
     from dflash_ray.data.shards import read_all
     from dflash_ray.model.target import load_feature_extractor
     from dflash_ray.runtime.feed import Cursor, build_feed
-    from dflash_ray.runtime.pipeline import target_context
+    from dflash_ray.runtime.step import LossModule, build_run_drafter, make_optimizer
     from dflash_ray.runtime.token_store import TokenStore
-    from dflash_ray.runtime.rows import FILLER, TrainRow, token_row
-    from dflash_ray.runtime.step import LossModule, build_run_drafter, make_optimizer, train_step
+
+    feed = build_feed(run_spec.build_plan, Cursor(), run_spec.batches_per_step, run_spec.train.epochs, steps)
+    drafter = build_run_drafter(run_spec, torch.device("cpu"))
+    opt, sched = make_optimizer(run_spec.train, drafter, feed.schedule_steps)
+    return SimpleNamespace(
+        store=TokenStore.from_table(read_all(run_spec.shards, run_spec.vocab_size)), feed=feed,
+        rows=feed.table.to_pylist(), drafter=drafter, model=LossModule(drafter), opt=opt, sched=sched,
+        target=load_feature_extractor(run_spec.target_path, list(run_spec.drafter.target_layer_ids)))
+
+
+def plain_row(p, run_spec, row):
+    """One feed row as a trainer receives it (tokens joined, the target's features), and the CPU seconds
+    (this thread's) of its target forward."""
+    import numpy as np
+
+    from dflash_ray.runtime.pipeline import target_context
+    from dflash_ray.runtime.rows import TrainRow, token_row
+
+    lengths = np.asarray(row["lengths"])
+    ids, mask = p.store.batch(np.asarray(row["sample_ids"]), lengths, run_spec.pad_token_id)
+    c0 = time.thread_time()
+    context, dtype = target_context(p.target, ids, lengths, "cpu")
+    target_cpu = time.thread_time() - c0
+    cols = token_row(row, 0, ids, mask, lengths)
+    return TrainRow.from_batch({**cols, "context": context[None], "context_dtype": np.array([dtype])}), target_cpu
+
+
+def plain_loop(run_spec, steps: int, threads: int) -> dict:
+    """The same batches and the same step function (`train_step`) as the Ray workers, in one process."""
+    import torch
+
+    from dflash_ray.runtime.rows import FILLER
+    from dflash_ray.runtime.step import train_step
 
     torch.set_num_threads(threads)
     per_step = run_spec.batches_per_step
-    store = TokenStore.from_table(read_all(run_spec.shards, run_spec.vocab_size))
-    feed = build_feed(run_spec.build_plan, Cursor(), per_step, run_spec.train.epochs, steps)
-    target = load_feature_extractor(run_spec.target_path, list(run_spec.drafter.target_layer_ids))
-    drafter = build_run_drafter(run_spec, torch.device("cpu"))
-    model = LossModule(drafter)
-    opt, sched = make_optimizer(run_spec.train, drafter, feed.schedule_steps)
-    rows = feed.table.to_pylist()
+    p = plain_setup(run_spec, steps)
+    feed, rows, drafter, model, opt, sched = p.feed, p.rows, p.drafter, p.model, p.opt, p.sched
     times, tokens, losses = [], [], []
     for s in range(feed.steps):
         t0 = time.perf_counter()
@@ -58,11 +86,7 @@ def plain_loop(run_spec, steps: int, threads: int) -> dict:
         for row in rows[s * per_step:(s + 1) * per_step]:
             if row["position"] == FILLER:
                 continue  # the plain loop has no collective to keep in step
-            lengths = np.asarray(row["lengths"])
-            ids, mask = store.batch(np.asarray(row["sample_ids"]), lengths, run_spec.pad_token_id)
-            context, dtype = target_context(target, ids, lengths, "cpu")
-            cols = token_row(row, 0, ids, mask, lengths)
-            batch.append(TrainRow.from_batch({**cols, "context": context[None], "context_dtype": np.array([dtype])}))
+            batch.append(plain_row(p, run_spec, row)[0])
         result = train_step(model, drafter, opt, sched, batch, rank=0, workers=1, batches_per_step=len(batch),
                             seed=run_spec.seed, grad_clip=run_spec.train.grad_clip, device=torch.device("cpu"))
         times.append(time.perf_counter() - t0)

@@ -9,7 +9,7 @@ import pytest
 
 from dflash_ray.runtime.capacity import node_split
 from dflash_ray.runtime.feed import rank_rows
-from dflash_ray.runtime.pipeline import (MAX_ROWS_PER_BLOCK, block_rows, node_groups, rows_per_block,
+from dflash_ray.runtime.pipeline import (MAX_ROWS_PER_BLOCK, block_budget_mb, block_rows, node_groups, rows_per_block,
                                         stream_blocks, target_shares)
 
 
@@ -40,6 +40,13 @@ def test_rows_per_block_fits_the_largest_batch_in_the_budget():
     assert rows_per_block(lengths, 1, 32) == MAX_ROWS_PER_BLOCK
     assert rows_per_block(lengths, 2**20, 100) == 6          # 10 MiB rows; capped at 64 MiB (half Ray's 128)
     assert rows_per_block(lengths, 2**24, 32) == 1           # a batch larger than the block: one a block
+
+
+def test_the_block_budget_stays_a_small_part_of_the_smallest_object_store():
+    nodes = {"a": {"object_store_memory": 400e6}, "b": {"object_store_memory": 64 * 2**30}}
+    assert block_budget_mb(32, nodes) == pytest.approx(400e6 / 64 / 2**20)   # 5.96 MiB: a's store / 64
+    assert block_budget_mb(32, {"b": nodes["b"]}) == 32                       # the configured value
+    assert block_budget_mb(32, {}) == 32
 
 
 def test_ranks_group_by_node_in_rank_order():

@@ -123,6 +123,21 @@ def rows_per_block(lengths, bytes_per_token: int, block_mb: float) -> int:
     return int(max(1, min(MAX_ROWS_PER_BLOCK, budget // max(largest, 1))))
 
 
+STORE_FRACTION_PER_BLOCK = 1 / 64
+
+
+def block_budget_mb(block_mb: float, resources: dict) -> float:
+    """cluster.stream_block_mb, within 1/64 of the smallest node's object store. Ray Data budgets each
+    operator's output memory (the target actors got ~1/3 of a 400 MB store); the equal split dispatches
+    a round only when all its blocks are there while the trainers still hold the previous round's, so
+    about four blocks must fit in that budget or the stream deadlocks (seen with 26 MiB blocks in a
+    400 MB store)."""
+    stores = [float(r.get("object_store_memory", 0)) for r in resources.values() if r.get("object_store_memory")]
+    if not stores:
+        return block_mb
+    return min(block_mb, min(stores) * STORE_FRACTION_PER_BLOCK / 2**20)
+
+
 def _max_block_bytes() -> float:
     try:
         from ray.data import DataContext
@@ -251,7 +266,7 @@ class DatasetFactory:
         coord = ray.get_actor(s.coordinator, namespace=s.namespace)
         placement = [{"node": node, "ranks": list(ranks), "target_actors": k} for (node, ranks), k in zip(groups, shares)]
         per_block = rows_per_block(feed.table.column("lengths"), stream_bytes_per_token(s),
-                                   float(getattr(s.cluster, "stream_block_mb", 0) or 0))
+                                   block_budget_mb(float(getattr(s.cluster, "stream_block_mb", 0) or 0), resources))
         gen = ray.get(coord.reset_feed.remote(feed.total_steps, feed.cursor.as_dict(), s.batches_per_step,
                                              feed.schedule_steps, list(worker_node_ids or []), placement,
                                              rows_per_block=per_block, world=world_size))
