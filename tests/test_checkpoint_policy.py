@@ -260,3 +260,27 @@ def test_coordinator_records_checkpoint_cost(ray_session, tmp_path):
     c.begin_attempt(0, 2)
     c.checkpoint_done(2, 1.0, attempt=2, upload="async", write_seconds=0.5, nbytes=1000)
     assert [(r["attempt"], r["step"]) for r in asyncio.run(c.report())["checkpoints"]] == [(1, 2), (1, 4), (2, 2)]
+
+
+def test_unregistered_checkpoint_directories_are_removed_and_registered_ones_kept(tmp_path):
+    import json
+
+    from dflash_ray.runtime.checkpoint import SNAPSHOT, remove_unregistered_checkpoints
+
+    exp = tmp_path / "run"
+    for d in ("checkpoint_a", "checkpoint_b", "checkpoint_c", "checkpoint_pending", "not_a_checkpoint"):
+        (exp / d).mkdir(parents=True)
+        (exp / d / "state.json").write_text("{}")
+    (exp / "checkpoint_file").write_text("a file, not a checkpoint directory")
+    assert remove_unregistered_checkpoints(str(exp)) == ["checkpoint_a", "checkpoint_b", "checkpoint_c",
+                                                         "checkpoint_pending"]   # nothing registered yet
+    for d in ("checkpoint_a", "checkpoint_b", "checkpoint_c", "checkpoint_pending"):
+        (exp / d).mkdir()
+    (exp / SNAPSHOT).write_text(json.dumps({
+        "checkpoint_results": [{"checkpoint_dir_name": "checkpoint_a"}, {"checkpoint_dir_name": "checkpoint_c"}],
+        "latest_checkpoint_result": {"checkpoint_dir_name": "checkpoint_c"},
+        "pending_training_results": [{"checkpoint_dir_name": "checkpoint_pending"}]}))
+    assert remove_unregistered_checkpoints(str(exp)) == ["checkpoint_b"]
+    assert {p.name for p in exp.iterdir()} == {"checkpoint_a", "checkpoint_c", "checkpoint_file",
+                                                "checkpoint_pending", SNAPSHOT, "not_a_checkpoint"}
+    assert remove_unregistered_checkpoints(str(tmp_path / "absent")) == []

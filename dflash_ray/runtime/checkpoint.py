@@ -173,6 +173,29 @@ def read_snapshot(experiment_dir: str) -> dict | None:
         return None
 
 
+def remove_unregistered_checkpoints(experiment_dir: str) -> list[str]:
+    """Remove the checkpoint directories in storage that Ray Train never registered (a driver killed
+    between the ranks' uploads and the registration, a failed upload's remains): nothing will ever read
+    them (a resume uses the registered latest only) and each is a whole checkpoint's bytes. Called by the
+    driver before its first fit, when no upload of this run can be in flight; keeps every directory the
+    snapshot names (registered, latest, or reported and pending). Returns the names removed."""
+    import pyarrow.fs as pafs
+
+    snap = read_snapshot(experiment_dir) or {}
+    keep = {r.get("checkpoint_dir_name") for r in snap.get("checkpoint_results") or []}
+    keep |= {r.get("checkpoint_dir_name") for r in snap.get("pending_training_results") or []
+             if isinstance(r, dict)}
+    keep.add((snap.get("latest_checkpoint_result") or {}).get("checkpoint_dir_name"))
+    fs, path = _filesystem(experiment_dir)
+    removed = []
+    for info in fs.get_file_info(pafs.FileSelector(path, allow_not_found=True)):
+        if info.type == pafs.FileType.Directory and info.base_name.startswith("checkpoint_") \
+                and info.base_name not in keep:
+            fs.delete_dir(info.path)
+            removed.append(info.base_name)
+    return sorted(removed)
+
+
 def latest_checkpoint(experiment_dir: str) -> tuple[Cursor, str | None]:
     """The cursor and the location (a local path or a URI) of the latest checkpoint Ray Train has
     registered for this run; (Cursor(), None) before the first one. Our cursor travels in the metrics

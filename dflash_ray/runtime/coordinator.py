@@ -69,6 +69,7 @@ class RunCoordinator:
         self.base_window = int(window)   # cluster.max_batches_in_flight; a stream's blocks may need more
         self.window = self.base_window
         self.rows_per_block = 1
+        self.removed_checkpoints: list = []   # a previous driver's unregistered checkpoint directories
         self.metrics = _Metrics(run_name, num_buckets)
         self.cond = asyncio.Condition()
         self.gen = 0
@@ -373,6 +374,10 @@ class RunCoordinator:
         self.stopped = dict(why)
         self._event("run_stopped", **why)
 
+    def checkpoints_removed(self, names: list) -> None:
+        self.removed_checkpoints = list(names)
+        self._event("unregistered_checkpoints_removed", dirs=list(names))
+
     def fault_injected(self, kind: str, **info) -> None:
         """Test-only (DFLASH_TEST_FAULTS): a worker is about to act out a fault; the test waits for this."""
         self._event("test_fault", fault=kind, **info)
@@ -418,7 +423,7 @@ class RunCoordinator:
                 "trainer_restarts": self.trainer_restarts, "target_restarts": self.target_restarts,
                 "failures_survived": self.failures_survived(), "rolled_back_steps": self.rolled_back_steps,
                 "attempts": self.attempts, "windows": self.windows, "max_batches_in_flight": self.max_in_flight, "window": self.window,
-                "rows_per_block": self.rows_per_block,
+                "rows_per_block": self.rows_per_block, "removed_checkpoints": self.removed_checkpoints,
                 "targets": targets, "checkpoints": self.checkpoints, "checkpoint_cost": self.checkpoint_cost(),
                 "last": self.last, "placement": self.placement, "feature_traffic": dict(self.features),
                 "timeline": self.timeline, "evals": self.evals, "stopped": self.stopped}

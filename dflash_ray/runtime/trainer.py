@@ -42,6 +42,7 @@ def fit(run_spec, num_buckets: int, *, progress: bool = True) -> FitOutcome:
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
     from ray.train.torch import TorchConfig, TorchTrainer
 
+    from dflash_ray.runtime.checkpoint import remove_unregistered_checkpoints
     from dflash_ray.runtime.cluster import start_coordinator
     from dflash_ray.runtime.loop import faults_for_tests, train_loop_per_worker
     from dflash_ray.runtime.data_config import NodeLocalDataConfig
@@ -56,6 +57,12 @@ def fit(run_spec, num_buckets: int, *, progress: bool = True) -> FitOutcome:
                         f"{t.max_nonfinite_steps}")
     coord = start_coordinator(run_spec, num_buckets)
     t0 = time.time()
+    try:   # a previous driver's never-registered checkpoints: whole checkpoints' bytes nothing will read
+        removed = remove_unregistered_checkpoints(run_spec.experiment_dir)
+    except OSError as e:  # storage trouble shows (with its own line) when the run next writes there
+        removed = [f"(not checked: {e})"]
+    if removed:
+        ray.get(coord.checkpoints_removed.remote(removed))
     store, store_info = build_token_store(run_spec.shards, run_spec.vocab_size, block_mb=c.token_block_mb,
                                           cache_mb=c.token_cache_mb)
     tokens_ref = ray.put(store)

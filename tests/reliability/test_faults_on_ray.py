@@ -247,10 +247,16 @@ def test_driver_killed_while_a_checkpoint_is_unregistered_resumes_from_the_previ
     assert read_snapshot(str(experiment))["latest_checkpoint_result"]["metrics"]["cursor_step"] == 2
     assert len(read_jsonl(run_dir / LEDGER)) >= 4              # steps 3, 4 were committed, then lost
 
+    orphan = unregistered[4].name
     _, s = train_run(name, overrides)
     assert s["steps"] == 6 and s["ledger"]["ok"], s["ledger"]
     assert s["rolled_back_steps"] >= 2 and s["trainer_restarts"] == 0
     assert_exact(run_dir, tiny_plan_batches, 6)
+    # the killed driver's never-registered step-4 directory was removed at the rerun's start; what is left
+    # in storage is exactly what Ray Train registered
+    assert orphan in s["unregistered_checkpoints_removed"] and not (experiment / orphan).exists()
+    registered = {r["checkpoint_dir_name"] for r in read_snapshot(str(experiment))["checkpoint_results"]}
+    assert {d.name for d in experiment.glob("checkpoint_*")} == registered
 
 
 def test_storage_full_stops_with_one_line_then_resumes_with_space(train_run, tiny_plan_batches, monkeypatch, tmpfs):
