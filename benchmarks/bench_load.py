@@ -24,7 +24,11 @@ driver and of every descendant process; the step and the target actors' busy sec
      `compute_seconds` x drafter workers (rank 0's wall per step, taken as every rank's: an estimate);
      wall exceeds CPU on a loaded machine, so this over-subtracts (the overhead it gives is a lower bound);
    * calibrated: the same target forward and `train_step` on the same rows in this process, one thread,
-     timed with `time.thread_time()` (CPU seconds: little affected by other work on the machine).
+     timed with `time.thread_time()` (CPU seconds: little affected by other work on the machine);
+   * in the workers (decides the goal): metrics.jsonl `compute_cpu_seconds` (the training thread's CPU in
+     train_step, rank 0's, x drafter workers) + the calibrated target forward. train_step costs more CPU
+     there than in the calibration (DDP's hooks and all-reduce, two trainers and the target sharing two
+     cores): that is the model's compute, not the Ray path's.
    Plus the CPU of the processes that do no model compute at all (everything but the target actors and
    trainer workers): overhead for sure. Next to it, the time per feed row at GPU scale from the capacity
    model's seed run (runtime/capacity.py SEED_RUN: 25.3K tokens/s on 6 + 2 GPUs, 16,384-token batches).
@@ -434,6 +438,7 @@ def main(argv=None) -> int:
     drafters = int(c.drafter_workers)
     compute_wall = sum(m.get("compute_seconds", 0.0) for m in metrics if a["step"] < m["step"] <= b["step"]) * drafters
     model_wall = busy + compute_wall
+    compute_cpu = sum(m.get("compute_cpu_seconds", 0.0) for m in metrics if a["step"] < m["step"] <= b["step"]) * drafters
     compute_procs = cpu_by_group.get("target actors", 0.0) + cpu_by_group.get("trainer workers", 0.0)
     pure_overhead = total_cpu - compute_procs
     calib = calibrate(run_spec, args.calibrate_steps) if args.calibrate_steps > 0 else None
@@ -452,6 +457,10 @@ def main(argv=None) -> int:
     gpu_step_s = gpu_row_s * SEED_RUN["drafter"]                           # a step: one row per drafter GPU
     overhead_issue = ms(total_cpu - model_wall)
     overhead_cal = ms(total_cpu - model_cpu_cal) if model_cpu_cal is not None else None
+    # the model's CPU as the workers measured it (train_step's thread CPU, rank 0's x workers) plus the
+    # calibrated target forward: compute that runs slower under DDP on a loaded machine is still compute
+    model_cpu_worker = compute_cpu + (calib["target_cpu_ms_per_row"] / 1000 * window_rows if calib else busy)
+    overhead_worker = ms(total_cpu - model_cpu_worker)
 
     result = {
         "command": "benchmarks/bench_load.py " + " ".join(argv if argv is not None else sys.argv[1:]),
@@ -472,6 +481,8 @@ def main(argv=None) -> int:
                 "overhead_ms_per_row_issue": overhead_issue,
                 "calibration": calib, "model_compute_cpu_calibrated_s": model_cpu_cal,
                 "overhead_ms_per_row_calibrated": overhead_cal,
+                "model_compute_cpu_in_workers_s": model_cpu_worker,
+                "overhead_ms_per_row_in_workers": overhead_worker,
                 "non_compute_processes_cpu_s": pure_overhead,
                 "non_compute_processes_ms_per_row": ms(pure_overhead),
                 "all_cpu_ms_per_row": ms(total_cpu)},
@@ -517,15 +528,18 @@ def main(argv=None) -> int:
         print(f"| {window_rows:,} | {total_cpu:.1f} | {model_cpu_cal:.1f} (CPU, calibrated: target "
               f"{calib['target_cpu_ms_per_row']:.2f} + drafter {calib['drafter_cpu_ms_per_row']:.2f} ms/row) | "
               f"{overhead_cal:.2f} | {1000 * gpu_row_s:.0f} ms | {overhead_cal / (1000 * gpu_row_s):.2%} |")
+    print(f"| {window_rows:,} | {total_cpu:.1f} | {model_cpu_worker:.1f} (CPU, in the workers: train_step's thread "
+          f"{compute_cpu:.1f} = rank 0's compute_cpu_seconds x {drafters}, + the calibrated target forward) | "
+          f"{overhead_worker:.2f} | {1000 * gpu_row_s:.0f} ms | {overhead_worker / (1000 * gpu_row_s):.2%} |")
     print(f"| {window_rows:,} | {pure_overhead:.1f} | 0 (processes with no model compute: driver, GCS, raylet, "
           f"coordinator, Ray Data, Ray Train) | {ms(pure_overhead):.2f} | {1000 * gpu_row_s:.0f} ms | "
           f"{ms(pure_overhead) / (1000 * gpu_row_s):.2%} |")
     print(f"GPU scale (capacity model, seed run {SEED_RUN['tokens_per_second']:,.0f} tokens/s on {SEED_RUN['target']} + "
           f"{SEED_RUN['drafter']} GPUs, {gpu_batch_tokens:,}-token batches): {1000 * gpu_row_s:.0f} ms per feed row "
           f"through the pipeline, a step {gpu_step_s:.2f} s (one row per drafter GPU)")
-    best = overhead_cal if overhead_cal is not None else overhead_issue
+    best = overhead_worker if compute_cpu > 0 else overhead_cal if overhead_cal is not None else overhead_issue
     print(f"goal: overhead < {GOAL_MS_PER_ROW:g} ms CPU per row: {'PASS' if best < GOAL_MS_PER_ROW else 'FAIL'} "
-          f"({best:.2f} ms)")
+          f"({best:.2f} ms: total CPU less the model's CPU as the workers measured it)")
     print(f"ledger: {summary.get('ledger')}")
     if tmp is not None:
         tmp.cleanup()

@@ -198,11 +198,11 @@ def train_loop_per_worker(config: dict) -> None:
         rows = [next_row(stream, idx, gen, rank) for idx in rank_rows(s, per_step, world_size, rank)]
         if cursor.step + 1 in poison.get("steps", ()) and rank == poison.get("rank", 0):
             rows = [_poison(r) for r in rows]   # test-only (DFLASH_TEST_FAULTS)
-        t_compute = time.perf_counter()
+        t_compute, cpu_compute = time.perf_counter(), time.thread_time()
         result = train_step(model, drafter, opt, sched, rows, rank=rank, workers=world_size,
                             batches_per_step=per_step, seed=run_spec.seed, grad_clip=run_spec.train.grad_clip,
                             device=device, autocast=autocast, all_reduce=all_reduce)
-        now = time.perf_counter()
+        now, cpu_now = time.perf_counter(), time.thread_time()
         step = cursor.step + 1
         epoch_batches = rows[0].epoch_batches
         cursor = cursor_after(result.epoch, result.positions, epoch_batches, step)
@@ -215,7 +215,10 @@ def train_loop_per_worker(config: dict) -> None:
             metrics = {"step": step, "epoch": result.epoch, "loss": result.loss, "tokens": result.tokens,
                        "weight_sum": result.weight_sum, "lr": result.lr, "grad_norm": result.grad_norm,
                        "step_seconds": now - t_step, "wait_seconds": t_compute - t_wait,
-                       "compute_seconds": now - t_compute, "slot_accuracy": result.slot_accuracy,
+                       "compute_seconds": now - t_compute,
+                       # this thread's CPU in the step (torch runs one intra-op thread on a CPU worker):
+                       # what the model costs here, under DDP and the machine's load (bench_load.py)
+                       "compute_cpu_seconds": cpu_now - cpu_compute, "slot_accuracy": result.slot_accuracy,
                        "train_tau": result.train_tau,
                        "train_tau_if_slots_independent": result.train_tau_if_slots_independent,
                        "epoch_progress": (max(real) + 1) / epoch_batches if real else 1.0,
