@@ -256,7 +256,7 @@ def test_driver_killed_while_a_checkpoint_is_unregistered_resumes_from_the_previ
     # in storage is exactly what Ray Train registered
     assert orphan in s["unregistered_checkpoints_removed"] and not (experiment / orphan).exists()
     registered = {r["checkpoint_dir_name"] for r in read_snapshot(str(experiment))["checkpoint_results"]}
-    assert {d.name for d in experiment.glob("checkpoint_*")} == registered
+    assert {d.name for d in experiment.glob("checkpoint_*") if d.is_dir()} == registered
 
 
 def test_storage_full_stops_with_one_line_then_resumes_with_space(train_run, tiny_plan_batches, monkeypatch, tmpfs):
