@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # ONE prepared run for a lent GPU machine (one H200; its image has CUDA PyTorch, transformers, safetensors,
-# pyarrow, but no Ray, OmegaConf or Hydra), within about 9 minutes (560 s of part time-outs), every part under its own timeout:
+# pyarrow, but no Ray, OmegaConf or Hydra): 217 s on 2026-11-29 (benchmarks/results/), every part under its
+# own time-out (560 s in all, inside one 10-minute device call); the quick runtime paths (3.) run first:
 #   1. the drafter step at Qwen3-8B's drafter shape (bf16 autocast, compiled): ms/step, MFU, peak memory;
 #      then the smallest and the largest bucket's batch under the anchor budget (32 x 512 and 2 x 8192
 #      tokens, model.anchors_per_batch=512): peak memory of each
