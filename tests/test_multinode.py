@@ -14,7 +14,7 @@ import torch
 from helpers_cluster import RUNTIME_RUN
 from helpers_multinode import Cluster
 
-from dflash_ray.runtime.checkpoint import load_weights
+from dflash_ray.runtime.checkpoint import latest_checkpoint, load_weights
 from dflash_ray.runtime.ledger import read_jsonl
 from dflash_ray.runtime.loop import TEST_FAULTS_ENV
 
@@ -81,6 +81,11 @@ def test_losing_a_node_mid_run_finishes_on_the_rest_exactly_once(tiny_data, job_
         events = tmp_path / "loss" / "events.jsonl"
         deadline = time.time() + 400
         while not [e for e in read_jsonl(events) if e.get("event") == "test_fault"]:
+            assert job.poll() is None and time.time() < deadline, log.read_text()[-4000:]
+            time.sleep(0.5)
+        # Ray Train registers a checkpoint when its controller next polls the workers' reports: steps 4-8
+        # can pass in a second (several batches a stream block), so wait until step 4 or 5 is registered
+        while latest_checkpoint(str(tmp_path / "shared_storage" / "loss"))[0].step < 4:
             assert job.poll() is None and time.time() < deadline, log.read_text()[-4000:]
             time.sleep(0.5)
         cluster.kill_worker(0)
