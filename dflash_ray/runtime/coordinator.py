@@ -374,9 +374,9 @@ class RunCoordinator:
         self.stopped = dict(why)
         self._event("run_stopped", **why)
 
-    def checkpoints_removed(self, names: list) -> None:
+    def checkpoints_removed(self, names: list, error: str | None = None) -> None:
         self.removed_checkpoints = list(names)
-        self._event("unregistered_checkpoints_removed", dirs=list(names))
+        self._event("unregistered_checkpoints_removed", dirs=list(names), **({"error": error} if error else {}))
 
     def fault_injected(self, kind: str, **info) -> None:
         """Test-only (DFLASH_TEST_FAULTS): a worker is about to act out a fault; the test waits for this."""

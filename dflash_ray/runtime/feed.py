@@ -6,7 +6,8 @@ Pure (no Ray, no torch): the Ray Data source, the train workers' checks and the 
            epoch or `max_steps`; each epoch's tail padded with filler rows (position -1) to a multiple
            of W = drafter_workers x grad_accum, so an optimizer step never spans two epochs.
     step s of this feed = rows [s*W, (s+1)*W); row i goes to rank i mod workers (Ray Data's
-           streaming_split hands one-row blocks out round-robin when the order is preserved), so rank r
+           streaming_split hands equal blocks out round-robin when the order is preserved, and each block
+           holds one rank's next rows: pipeline.block_rows), so rank r
            trains rows s*W + a*workers + r for accumulation micro-step a.
 
 The cursor (epoch, position, step) is ours to keep: Ray Data iterators cannot be checkpointed.

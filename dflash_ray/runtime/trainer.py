@@ -58,18 +58,18 @@ def fit(run_spec, num_buckets: int, *, progress: bool = True) -> FitOutcome:
     coord = start_coordinator(run_spec, num_buckets)
     t0 = time.time()
     try:   # a previous driver's never-registered checkpoints: whole checkpoints' bytes nothing will read
-        removed = remove_unregistered_checkpoints(run_spec.experiment_dir)
+        removed, error = remove_unregistered_checkpoints(run_spec.experiment_dir), None
     except OSError as e:  # storage trouble shows (with its own line) when the run next writes there
-        removed = [f"(not checked: {e})"]
-    if removed:
-        ray.get(coord.checkpoints_removed.remote(removed))
+        removed, error = [], str(e)
+    if removed or error:
+        ray.get(coord.checkpoints_removed.remote(removed, error))
     store, store_info = build_token_store(run_spec.shards, run_spec.vocab_size, block_mb=c.token_block_mb,
                                           cache_mb=c.token_cache_mb)
     tokens_ref = ray.put(store)
     data_ctx = DataContext.get_current()
     data_ctx.enable_progress_bars = False  # our own progress line says what matters; Ray Data's bars flood job logs
     exec_opts = data_ctx.execution_options
-    exec_opts.preserve_order = True  # with one-row blocks: round-robin over the train workers
+    exec_opts.preserve_order = True  # with equal blocks: round-robin over the train workers
 
     def trainer_for(spec):
         return TorchTrainer(
