@@ -256,9 +256,11 @@ def test_flight_window_admits_in_order_and_blocks_beyond(ray_session, tmp_path):
     ray.kill(coord)
 
 
-def test_flight_window_holds_a_step_and_two_rounds_of_blocks(ray_session, tmp_path):
+def test_flight_window_holds_a_step_two_rounds_and_the_report_slack(ray_session, tmp_path):
     """Blocks of 4 rows on 2 ranks, 2 rows a step: a block is admitted by its last row, so the window
-    must hold a round (8 rows) beyond the step; it takes 2 + 2 x 4 x 2 = 18, not the configured 3."""
+    holds the step and two rounds (2 + 2 x 4 x 2 = 18 rows), plus one block's rows (4) that rank 0 may
+    have trained without reporting them yet: 22, not the configured 3. One row a block: as configured,
+    reported every step. commit_steps writes several steps' lines and moves the window in one call."""
     import ray
 
     from dflash_ray.runtime.coordinator import RunCoordinator
@@ -266,16 +268,35 @@ def test_flight_window_holds_a_step_and_two_rounds_of_blocks(ray_session, tmp_pa
     coord = ray.remote(RunCoordinator).options(num_cpus=0, max_concurrency=100).remote(
         str(tmp_path), "blocks", 3, 2)
     gen = ray.get(coord.reset_feed.remote(10, {}, 2, rows_per_block=4, world=2))
-    assert ray.get(coord.admit.remote(gen, 17), timeout=30) is True     # rounds 0 and 1 (rows 0..15) and more
-    blocked = coord.admit.remote(gen, 18)
+    assert ray.get(coord.feed_info.remote())["report_slack_rows"] == 4
+    assert ray.get(coord.admit.remote(gen, 21), timeout=30) is True
+    blocked = coord.admit.remote(gen, 22)
     ready, _ = ray.wait([blocked], timeout=1.0)
     assert not ready
-    coord.consumed_upto.remote(gen, 2)
+    ray.get(coord.begin_attempt.remote(0, 2))
+    commits = [({"epoch": 0, "step": k, "positions": [2 * k - 2, 2 * k - 1], "buckets": [0, 0], "tokens": [5, 5]},
+                {"step": k, "epoch": 0, "loss": 1.0, "tokens": 10, "time": 1000.0 + k}) for k in (1, 2)]
+    ready, _ = ray.wait([blocked], timeout=1.0)
+    assert not ready
+    ray.get(coord.commit_steps.remote(gen, commits, 4))                  # rows 0..3 trained: 22 < 4 + 22
     assert ray.get(blocked, timeout=30) is True
-    assert ray.get(coord.report.remote())["window"] == 18
-    gen = ray.get(coord.reset_feed.remote(10, {}, 2, rows_per_block=1, world=2))   # one row a block: as configured
+    assert [r["step"] for r in read_jsonl(tmp_path / "ledger.jsonl")] == [1, 2]
+    assert [m["time"] for m in read_jsonl(tmp_path / "metrics.jsonl")] == [1001.0, 1002.0]   # when they ended
+    assert ray.get(coord.report.remote())["window"] == 22
+    gen = ray.get(coord.reset_feed.remote(10, {}, 2, rows_per_block=1, world=2))   # one row a block
     assert ray.get(coord.report.remote())["window"] == 3
+    assert ray.get(coord.feed_info.remote())["report_slack_rows"] == 0
     ray.kill(coord)
+
+
+def test_rank0_reports_at_start_on_time_and_before_the_window_runs_short():
+    from dflash_ray.runtime.loop import COMMIT_INTERVAL_S, commit_due
+
+    assert commit_due(0, 0.0, 2, 64)                        # the first step at once
+    assert not commit_due(5, 0.01, 12, 64)                  # tiny steps: wait and send several
+    assert commit_due(5, COMMIT_INTERVAL_S, 12, 64)         # but at least every COMMIT_INTERVAL_S
+    assert not commit_due(40, 0.01, 64, 64) and commit_due(40, 0.01, 66, 64)   # never more than the slack late
+    assert commit_due(7, 0.0, 2, 0)                         # no slack (one row a block): every step
 
 
 def test_coordinator_writes_ledger_metrics_and_tensorboard(ray_session, tmp_path):

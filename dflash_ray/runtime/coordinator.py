@@ -125,11 +125,18 @@ class RunCoordinator:
         A block (one rank's next `rows_per_block` rows) is admitted by its last row, and the stream hands
         blocks out a round (one per rank) at a time: with blocks of several rows the window holds a step
         and two rounds (or cluster.max_batches_in_flight, when larger), so the round a step needs always
-        fits (no deadlock) and the next one is being computed meanwhile."""
+        fits (no deadlock) and the next one is being computed meanwhile. Less is not enough: with rank 0
+        reporting 58 rows late (blocks of 63) the trainers waited for a round that waited for admission,
+        for good. On top of that the window holds one block's rows more (`report_slack_rows`): rank 0
+        reports what it trained only when its unreported rows would exceed them (loop.commit_due)."""
         async with self.cond:
-            self.rows_per_block = int(rows_per_block)
-            self.window = self.base_window if self.rows_per_block <= 1 else max(
-                self.base_window, int(batches_per_step) + 2 * self.rows_per_block * int(world))
+            g = self.rows_per_block = int(rows_per_block)
+            if g <= 1:
+                self.window, slack = self.base_window, 0   # one row a block: rank 0 reports every step
+            else:
+                needed = int(batches_per_step) + 2 * g * int(world)
+                self.window = max(self.base_window, needed + g)
+                slack = self.window - needed
             self.rank_nodes = list(rank_nodes or [])
             if placement is not None:
                 self.placement = list(placement)
@@ -139,13 +146,14 @@ class RunCoordinator:
             self.total_steps = int(total_steps)
             self.feed = {"gen": self.gen, "total_steps": int(total_steps), "cursor": dict(cursor),
                          "batches_per_step": int(batches_per_step),
-                         "schedule_steps": int(schedule_steps or total_steps)}
+                         "schedule_steps": int(schedule_steps or total_steps), "report_slack_rows": slack}
             self.cond.notify_all()
             self._mark(f"feed_{self.gen}")
             return self.gen
 
-    def _mark(self, what: str) -> None:
-        self.timeline.setdefault(what, round(time.time() - self.started, 3))
+    def _mark(self, what: str, at: float | None = None) -> None:
+        """The first time `what` happened (`at`: time.time() when it did; default now)."""
+        self.timeline.setdefault(what, round((time.time() if at is None else at) - self.started, 3))
 
     def feed_info(self) -> dict:
         return dict(self.feed)
@@ -249,14 +257,22 @@ class RunCoordinator:
         self.step_times = []
         return {"attempt": self.attempts, "rolled_back": dropped}
 
+    async def commit_steps(self, gen: int, commits: list, consumed: int) -> None:
+        """Rank 0's steps since its last call (loop.commit_due), in order, as (ledger line, metrics line)
+        pairs, and the feed rows of stream `gen` trained so far (the flight window's `consumed`)."""
+        for record, metrics in commits:
+            self.commit_step(gen, record, metrics)
+        await self.consumed_upto(gen, consumed)
+
     def commit_step(self, gen: int, record: dict, metrics: dict) -> None:
         """One optimizer step: a ledger line and a metrics line (written before returning). A commit from
-        a replaced worker group's stream (gen != current) is dropped: its timeline was rolled back."""
+        a replaced worker group's stream (gen != current) is dropped: its timeline was rolled back.
+        metrics["time"]: when the step ended (rank 0's clock; commits may arrive several at a time)."""
         if gen != self.gen:
             return
-        now = time.time()
+        now = float(metrics.get("time") or time.time())
         if record["step"] <= 100 or record["step"] % 1000 == 0:   # the start-up's steps; bounded after
-            self._mark(f"step{record['step']}")
+            self._mark(f"step{record['step']}", at=now)
         self.step_times.append((now, int(metrics["tokens"])))
         self.step_times = self.step_times[-20:]
         if len(self.step_times) >= 2:

@@ -26,13 +26,14 @@ import torch
 from torch import nn
 
 from dflash_ray.runtime.feed import Cursor, cursor_after, rank_rows
-from dflash_ray.runtime.rows import TrainRow
+from dflash_ray.runtime.rows import TrainRow, train_rows
 from dflash_ray.runtime.step import LossModule, StepResult, build_run_drafter, make_optimizer, train_step
 
 
 class Prefetcher:
     """Pulls the worker's stream in a background thread from the moment the worker starts, so the Ray
-    Data pipeline (and its target actors) spin up while the drafter is being built."""
+    Data pipeline (and its target actors) spin up while the drafter is being built; a block is split into
+    its rows there too, off the training thread."""
 
     _END = object()
 
@@ -60,11 +61,25 @@ class Prefetcher:
 
 def next_row(stream, expected_index: int, gen: int, rank: int) -> TrainRow:
     """The next row of this worker's shard, which must be feed row `expected_index` of stream `gen`."""
-    row = TrainRow.from_batch(next(stream))
+    row = next(stream)
     if row.index != expected_index or row.gen != gen:
         raise RuntimeError(f"rank {rank} expected feed row {expected_index} (stream {gen}) but got row "
                            f"{row.index} (stream {row.gen}): the stream lost its order")
     return row
+
+
+# Rank 0 sends its steps' ledger and metrics lines to the coordinator at least this often (and at every
+# checkpoint, and whenever the flight window needs the rows it has trained): one actor call a step costs the
+# coordinator ~1 ms of CPU, which matters only for tiny steps (benchmarks/bench_load.py), not at GPU scale.
+COMMIT_INTERVAL_S = 0.5
+
+
+def commit_due(s: int, since_sent: float, unreported_rows: int, report_slack_rows: int) -> bool:
+    """Rank 0 sends its unsent commits after step s (0-based, of this attempt): the first step at once
+    (start-up and progress show it), then every COMMIT_INTERVAL_S, and whenever the rows trained but not
+    reported exceed the flight window's slack for them (coordinator.reset_feed: 0, every step, unless a
+    stream block holds several rows), so the window the stream sees is never short of what it needs."""
+    return s == 0 or since_sent >= COMMIT_INTERVAL_S or unreported_rows > report_slack_rows
 
 
 def step_record(result: StepResult, step: int) -> dict:
@@ -144,7 +159,8 @@ def train_loop_per_worker(config: dict) -> None:
     grad_accum, per_step = run_spec.train.grad_accum, run_spec.batches_per_step
     remove_orphaned_local_checkpoints()  # left by a worker of this node killed while checkpointing
     shard = ray.train.get_dataset_shard("train")
-    stream = Prefetcher(shard.iter_batches(batch_size=1, batch_format="numpy", prefetch_batches=1), size=grad_accum)
+    stream = Prefetcher(train_rows(shard.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=1)),
+                        size=grad_accum)
     coord = ray.get_actor(run_spec.coordinator, namespace=run_spec.namespace)
     coord.worker_started.remote(rank, os.getpid(), ray.get_runtime_context().get_node_id())
     feed = ray.get(coord.feed_info.remote())
@@ -186,6 +202,20 @@ def train_loop_per_worker(config: dict) -> None:
     all_reduce = dist.all_reduce if world_size > 1 else None
     steps = total_steps - cursor.step
     pending_commits = []  # rank 0's ledger writes since the last checkpoint
+    unsent = []           # rank 0's commits (ledger line, metrics line) not sent yet (commit_due)
+    reported, t_sent = 0, time.perf_counter()   # feed rows of this stream reported consumed, and when
+    slack = int(feed.get("report_slack_rows", 0))
+
+    def send_commits(consumed: int, extra: dict | None = None):
+        # rank 0: the unsent ledger and metrics lines (`extra` joins the last one's metrics), and the
+        # feed rows trained so far
+        nonlocal reported, t_sent
+        if extra:
+            unsent[-1] = (unsent[-1][0], {**unsent[-1][1], **extra})
+        pending_commits.append(coord.commit_steps.remote(gen, list(unsent), consumed))
+        unsent.clear()
+        reported, t_sent = consumed, time.perf_counter()
+
     train = run_spec.train
     upload = train.checkpoint_upload
     max_nonfinite = int(getattr(train, "max_nonfinite_steps", 10) or 0)  # 0: skip and count, never stop
@@ -209,7 +239,6 @@ def train_loop_per_worker(config: dict) -> None:
         # the same on every rank (train_step decides from all-reduced values): they stop together
         nonfinite_streak = nonfinite_streak + 1 if result.skipped_nonfinite else 0
         stop = bool(max_nonfinite) and nonfinite_streak >= max_nonfinite
-        commit = None
         if rank == 0:
             real = [p for p in result.positions if p >= 0]
             metrics = {"step": step, "epoch": result.epoch, "loss": result.loss, "tokens": result.tokens,
@@ -224,20 +253,20 @@ def train_loop_per_worker(config: dict) -> None:
                        "epoch_progress": (max(real) + 1) / epoch_batches if real else 1.0,
                        "total_steps": total_steps, "schedule_steps": feed["schedule_steps"],
                        "batches_per_step": per_step, "skipped_nonfinite": int(result.skipped_nonfinite),
-                       "nonfinite_streak": nonfinite_streak}
-            commit = (step_record(result, step), metrics)
-            coord.consumed_upto.remote(gen, (s + 1) * per_step)
+                       "nonfinite_streak": nonfinite_streak, "time": time.time()}
+            unsent.append((step_record(result, step), metrics))
             every = run_spec.train.heldout_every
             if run_spec.heldout and every and step % every == 0:
                 # the coordinator evaluates it in a task of its own: training goes on meanwhile
                 weights = ray.put({k: v.detach().cpu() for k, v in drafter.state_dict().items()})
                 coord.evaluate_heldout.remote(run_spec, step, [weights])
         t_step = now
+        consumed = (s + 1) * per_step
         if stop:
             # no checkpoint: the last one holds the weights of the last good step (skipped steps change
             # none), and a rerun retries these batches from there
             if rank == 0:
-                pending_commits.append(coord.commit_step.remote(gen, *commit))
+                send_commits(consumed)
                 ray.get(pending_commits)
                 ray.get(coord.stop_run.remote({
                     "reason": "nonfinite", "step": step, "streak": nonfinite_streak,
@@ -251,19 +280,20 @@ def train_loop_per_worker(config: dict) -> None:
         due = checkpoint_due(step, train.checkpoint_every, train.checkpoint_every_minutes, since,
                              last_step=s == steps - 1, end_of_epoch=cursor.position == 0)
         if not due:
-            if commit is not None:
-                pending_commits.append(coord.commit_step.remote(gen, *commit))
+            if rank == 0 and commit_due(s, time.perf_counter() - t_sent, consumed - reported, slack):
+                send_commits(consumed)
                 if len(pending_commits) > 64:   # forget the finished ones (a long checkpoint interval)
                     pending_commits[:] = ray.wait(pending_commits, num_returns=len(pending_commits), timeout=0)[1]
             continue
+        if rank == 0:   # the target actors go on with the next rows while the checkpoint is written
+            coord.consumed_upto.remote(gen, consumed)
         t0 = time.perf_counter()
 
-        def ledger_on_disk(cost: dict, commit=commit):
+        def ledger_on_disk(cost: dict):
             # the step's metrics line says what its checkpoint cost to write; ledger lines <= this step
             # are on disk before the checkpoint exists (an async actor does not promise to run calls in
             # order: wait for each one)
-            pending_commits.append(coord.commit_step.remote(gen, commit[0], {
-                **commit[1], **cost, "checkpoint_upload": upload}))
+            send_commits(consumed, {**cost, "checkpoint_upload": upload})
             ray.get(pending_commits)
             pending_commits.clear()
 

@@ -1,7 +1,8 @@
 """The stream's row schema, defined once: what a feed row carries, what the token join adds, what the
 target actor adds, and what a trainer reads back. One Ray Data row = one plan batch; a block holds G of
 them (pipeline.rows_per_block), so the tensor columns are ragged across a block's rows (Ray Data's
-variable-shaped tensors) and a trainer reads one row at a time (batch_size=1: a leading axis of length 1).
+variable-shaped tensors) and a trainer reads a block at a time (batch_size=None) and splits it into its
+rows (`train_rows`).
 
     feed row (feed.py)    index, epoch, position, epoch_batches, bucket, num_tokens, sample_ids, lengths
     after join_tokens     FEED_SCALARS + gen, input_ids [1,rows,width], loss_mask, lengths [1,rows]
@@ -73,6 +74,14 @@ def decode_features(array: np.ndarray, dtype: str):
     return t
 
 
+def train_rows(batches):
+    """The TrainRows of numpy batches (whole blocks: `iter_batches(batch_size=None)`), in order. Slicing
+    a block into one-row batches is Ray Data's per-batch work for every row; a block is sliced here."""
+    for batch in batches:
+        for i in range(len(batch["index"])):
+            yield TrainRow.from_batch(batch, i)
+
+
 @dataclass
 class TrainRow:
     """One plan batch as a trainer receives it (decoded from a Ray Data row)."""
@@ -94,12 +103,14 @@ class TrainRow:
         return self.position == FILLER
 
     @classmethod
-    def from_batch(cls, batch: dict) -> "TrainRow":
-        """A one-row numpy batch from `iter_batches(batch_size=1, batch_format="numpy")`."""
-        return cls(**{k: int(batch[k][0]) for k in FEED_SCALARS}, gen=int(batch["gen"][0]),
-                   input_ids=batch["input_ids"][0], loss_mask=batch["loss_mask"][0],
-                   lengths=batch["lengths"][0], context=batch["context"][0],
-                   context_dtype=str(batch["context_dtype"][0]))
+    def from_batch(cls, batch: dict, i: int = 0) -> "TrainRow":
+        """Row i of a numpy batch from `iter_batches(batch_format="numpy")` (a ragged tensor column is an
+        object array of each row's array, a uniform one an array with a leading row axis: [i] is row i's
+        either way)."""
+        return cls(**{k: int(batch[k][i]) for k in FEED_SCALARS}, gen=int(batch["gen"][i]),
+                   input_ids=batch["input_ids"][i], loss_mask=batch["loss_mask"][i],
+                   lengths=batch["lengths"][i], context=batch["context"][i],
+                   context_dtype=str(batch["context_dtype"][i]))
 
     def tensors(self, device):
         """(input_ids, loss_mask, context, lengths) as torch tensors on `device`."""
