@@ -15,8 +15,9 @@ driver and of every descendant process; the step and the target actors' busy sec
 `report()`); the object store's use (the raylet's store stats, every 5th sample).
 
 1. Load: RSS of the driver, each target actor and each trainer worker at 10% and 90% of the steps, growth
-   per 1000 steps (least-squares fit over the samples from 20% to 100%), peak; the same for every other
-   process of the cluster (grouped by its title); object store use at 10% and 90%.
+   per 1000 steps (least-squares fit over the samples from 20% of the steps to the last one, while training
+   runs), peak; the same for every other process of the cluster (grouped by its title); object store use at
+   10% and 90%.
 2. Per-row CPU of the Ray path over the steady part (10% .. the last sample): CPU seconds of all the
    cluster's processes and the driver (the sampler thread's own CPU excluded) minus the model's compute,
    divided by the feed rows trained in that part. Model compute, two ways:
@@ -271,7 +272,8 @@ def memory_rows(samples, groups: list[tuple[str, list[int]]], steps: int) -> lis
     """Per process (or group of pids, summed): RSS at 10% and 90%, growth per 1000 steps, peak."""
     stepped = [s for s in samples if s["step"] is not None]
     s10, s90 = _at(stepped, 0.1 * steps), _at(stepped, 0.9 * steps)
-    fit = [s for s in stepped if s["step"] >= 0.2 * steps]
+    # while training runs: after the last step the workers tear down and their RSS falls at a constant step
+    fit = [s for s in stepped if 0.2 * steps <= s["step"] < steps]
     out = []
     for label, pids in groups:
         def rss(s):
@@ -499,7 +501,7 @@ def main(argv=None) -> int:
     print(f"\n{steps} steps ({steps * per_step:,} feed rows of {ROW_TOKENS} tokens) in {wall:.0f} s wall incl. start-up; "
           f"steady {steps_per_s or float('nan'):.1f} steps/s ({len(samples)} samples)")
     print(f"\nLoad: RSS in MiB at 10% (step {s10['step']}) and 90% (step {s90['step']}) of the run; growth from a "
-          f"linear fit over 20%-100%")
+          f"linear fit over 20% of the steps to the last")
     hdr = f"| {'process':<44} | RSS 10% | RSS 90% | growth / 1000 steps | peak (VmHWM) |"
     print(hdr)
     print("|" + "|".join("-" * (len(x)) for x in hdr.split("|")[1:-1]) + "|")
