@@ -34,6 +34,9 @@ def _parser(cmd: str) -> argparse.ArgumentParser:
         p.add_argument("--dump-order", metavar="PATH.npy")
         p.add_argument("--compare", action="store_true", help="all strategies side by side")
         p.add_argument("--plot", metavar="PNG", help="bucket sequence and run lengths per strategy")
+    if cmd == "compare-orders":
+        p.add_argument("--strategies", default=None, metavar="A,B",
+                       help="the interleave strategies to train, comma-separated (default: all of them)")
     if cmd == "plot":
         p.add_argument("run_dir", nargs="?", help="a run directory (default: run.dir of the config)")
     if cmd == "export":
@@ -311,11 +314,18 @@ def train_command(cfg, args) -> int:
 
 def compare_orders_command(cfg, args) -> int:
     """The same drafter trained once per interleave strategy with the same budget, side by side."""
-    from dflash_ray.runtime.compare import compare_orders, format_comparison
+    from dflash_ray.runtime.compare import STRATEGIES, compare_orders, format_comparison
 
+    strategies = list(STRATEGIES)
+    if args.strategies is not None:
+        strategies = [s.strip() for s in args.strategies.split(",") if s.strip()]
+        unknown = [s for s in strategies if s not in STRATEGIES]
+        if unknown or not strategies:
+            raise UserError(f"--strategies: unknown {', '.join(repr(s) for s in unknown) or 'empty list'} "
+                            f"(any of {', '.join(STRATEGIES)})")
     overrides = [o for o in args.overrides if not o.startswith(("run.name=", "data.interleave="))]
     log = (lambda *a, **k: print(*a, file=sys.stderr, **k)) if args.json else print
-    result = compare_orders(cfg, overrides, log=log)
+    result = compare_orders(cfg, overrides, log=log, strategies=strategies)
     if args.json:
         print(json.dumps({k: {kk: vv for kk, vv in v.items() if kk not in ("losses", "buckets_in_order")}
                           for k, v in result["rows"].items()}, indent=2))

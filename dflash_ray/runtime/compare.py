@@ -45,7 +45,7 @@ def bucket_usage(ledger: list[dict], num_buckets: int) -> dict:
     return {"buckets_in_order": buckets, "quarter_shares_pct": shares, "bucket_end_fraction": ends}
 
 
-def compare_orders(cfg, overrides: list[str], *, log=print) -> dict:
+def compare_orders(cfg, overrides: list[str], *, log=print, strategies=STRATEGIES) -> dict:
     """Train once per strategy (runs named <run.name>-order-<strategy>) on the data, target and seed of
     the base config; returns the table's rows and writes the PNGs under <run.dir>-orders/."""
     from omegaconf import OmegaConf
@@ -66,7 +66,7 @@ def compare_orders(cfg, overrides: list[str], *, log=print) -> dict:
                   f"model.target_path={base.target_path}"]
         if base.heldout:
             shared.append(f"data.prompts={base.heldout}")
-        for strategy in STRATEGIES:
+        for strategy in strategies:
             run_cfg = compose_config([*overrides, *shared, f"run.name={cfg.run.name}-order-{strategy}",
                                       f"data.interleave={strategy}"])
             log(f"compare-orders: training with data.interleave={strategy}")
