@@ -44,6 +44,39 @@ def test_store_built_by_ray_data_matches_a_direct_read(ray_session, tmp_path):
     assert info.tokens == sum(len(v[0]) for v in truth.values())
     assert info.blocks > 3                                 # more blocks than shards
     store = TokenStore(**ray.get(ray.put(handle)))         # what a join task sees
+    _check_lookups(store, truth)
+    # the cache holds ~50 KB: it evicted, and refetched blocks still give the right tokens
+    assert store.cache.bytes <= 0.05 * 2**20 or len(store.cache.blocks) == 1
+    assert store.cache.fetches > info.blocks
+    with pytest.raises(KeyError):
+        store.batch(np.array([10_001]), np.array([1]), pad_id=0)
+
+
+@pytest.mark.parametrize("ray_data", [None, True])
+def test_a_corpus_of_one_block_is_read_by_the_driver_and_matches(ray_session, tmp_path, ray_data):
+    """At most block_mb of tokens: one block either way; by default read here (no Ray Data job), the same
+    store as Ray Data's read."""
+    import ray
+
+    from dflash_ray.runtime import token_store
+    from dflash_ray.runtime.token_store import TokenStore, build_token_store
+
+    root = _shards(tmp_path / "shards")
+    truth = _direct(root)
+    calls = []
+    real = token_store._read_one_block
+    token_store._read_one_block = lambda *a, **k: calls.append(1) or real(*a, **k)
+    try:
+        handle, info = build_token_store(str(root), vocab_size=500, block_mb=1.0, ray_data=ray_data)
+    finally:
+        token_store._read_one_block = real
+    assert len(calls) == (1 if ray_data is None else 0)
+    assert info.blocks == 1 and info.samples == len(truth) == 120
+    assert info.tokens == sum(len(v[0]) for v in truth.values())
+    _check_lookups(TokenStore(**ray.get(ray.put(handle))), truth)
+
+
+def _check_lookups(store, truth):
     rng = np.random.default_rng(1)
     all_ids = np.array(sorted(truth))
     for _ in range(20):
@@ -55,14 +88,10 @@ def test_store_built_by_ray_data_matches_a_direct_read(ray_session, tmp_path):
             want_ids = truth[s][0][:n] + [-7] * (width - n)
             want_mask = truth[s][1][:n] + [0] * (width - n)
             assert ids[i].tolist() == want_ids and mask[i].tolist() == want_mask
-    # the cache holds ~50 KB: it evicted, and refetched blocks still give the right tokens
-    assert store.cache.bytes <= 0.05 * 2**20 or len(store.cache.blocks) == 1
-    assert store.cache.fetches > info.blocks
-    with pytest.raises(KeyError):
-        store.batch(np.array([10_001]), np.array([1]), pad_id=0)
 
 
-def test_a_bad_row_in_the_store_read_names_shard_and_sample(ray_session, tmp_path):
+@pytest.mark.parametrize("ray_data", [True, False])
+def test_a_bad_row_in_the_store_read_names_shard_and_sample(ray_session, tmp_path, ray_data):
     from dflash_ray.runtime.token_store import build_token_store
 
     root = tmp_path / "shards"
@@ -70,7 +99,7 @@ def test_a_bad_row_in_the_store_read_names_shard_and_sample(ray_session, tmp_pat
     write_shard(root / "b.parquet", [10, 11], [3, 3], vocab=50,
                 loss_mask=pa.array([[1, 1, 1], [1, 2, 1]], pa.list_(pa.int8())))
     with pytest.raises(UserError) as e:
-        build_token_store(str(root), vocab_size=50)
+        build_token_store(str(root), vocab_size=50, ray_data=ray_data)
     line = str(e.value)
     assert "\n" not in line
     assert line.startswith(f"{root / 'b.parquet'}: sample_id 11: loss_mask values must be 0 or 1")

@@ -13,6 +13,10 @@ remote node or a restore from spill otherwise) and keeps the most recent ones, u
 over the corpus, so a block is worth keeping while the process is alive. The transfer unit is the
 block: smaller blocks move fewer unneeded bytes per batch, larger blocks mean fewer objects.
 
+A corpus that makes a single block (at most `block_mb`, by its token count) is read by the driver itself
+with pyarrow, validated by the same function, and put as that one block: Ray Data's start-up (3-5 s on
+this 2-core machine, ~20 s on a two-node cluster) would buy nothing for one block.
+
 `TokenStore.from_table` builds the same store in memory from one table (benchmarks, tests, a single process).
 """
 from __future__ import annotations
@@ -169,10 +173,24 @@ def _ids_and_tokens(block: pa.Table) -> tuple[np.ndarray, int]:
     return block.column("sample_id").to_numpy(), sum(len(c.values) for c in block.column("input_ids").chunks)
 
 
+def _read_one_block(files, columns: list, vocab_size: int | None, names: dict) -> pa.Table:
+    """Every shard read here and validated by `_store_block`, as the Ray Data path does, in one table."""
+    import pyarrow.parquet as pq
+
+    parts = []
+    for f in files:
+        with f.fs.open_input_file(f.path) as fh:
+            table = pq.read_table(fh, columns=columns)
+        table = table.append_column("path", pa.array([f.path] * table.num_rows, pa.string()))
+        parts.append(_store_block(table, vocab_size, names))
+    return pa.concat_tables(parts).combine_chunks()
+
+
 def build_token_store(shards: str, vocab_size: int | None, block_mb: float = 8.0,
-                      cache_mb: float = 256.0) -> tuple[dict, StoreInfo]:
+                      cache_mb: float = 256.0, ray_data: bool | None = None) -> tuple[dict, StoreInfo]:
     """Ray Data reads and validates every shard into object-store blocks; returns what the join needs
-    (the index and the block refs, to be put in the object store by the caller) and the store's size."""
+    (the index and the block refs, to be put in the object store by the caller) and the store's size.
+    ray_data: None decides by size (a corpus of one block is read here), True / False force either path."""
     import time
 
     import ray
@@ -191,6 +209,15 @@ def build_token_store(shards: str, vocab_size: int | None, block_mb: float = 8.0
     # rows per block from the mean row's bytes (int32 id + int8 mask per token, + offsets and sample_id)
     row_bytes = 5 * float(lengths.num_tokens.mean()) + 16
     rows_per_block = max(1, int(block_mb * 2**20 / row_bytes))
+    names = {f.path: str(f) for f in files}
+    if ray_data is False or (ray_data is None and len(lengths.num_tokens) <= rows_per_block):
+        block = _read_one_block(files, columns, vocab_size, names)
+        ids, tokens = _ids_and_tokens(block)
+        ids, block_of, row_of = _index([ids])
+        info = StoreInfo(samples=int(ids.size), tokens=tokens, blocks=1, bytes=int(block.nbytes),
+                         seconds=time.perf_counter() - t0)
+        refs = [ray.put(block)]
+        return _handle(ids, block_of, row_of, refs, cache_mb), info
     ctx = DataContext.get_current()
     saved = ctx.enable_progress_bars, ctx.raise_original_map_exception
     ctx.enable_progress_bars = False
@@ -199,7 +226,7 @@ def build_token_store(shards: str, vocab_size: int | None, block_mb: float = 8.0
         ds = ray.data.read_parquet([f.path for f in files], filesystem=files[0].fs, include_paths=True, shuffle=None)
         ds = (ds.select_columns(columns + ["path"])
               .map_batches(_store_block, batch_format="pyarrow", batch_size=None, zero_copy_batch=True,
-                           fn_kwargs={"vocab_size": vocab_size, "names": {f.path: str(f) for f in files}})
+                           fn_kwargs={"vocab_size": vocab_size, "names": names})
               .repartition(target_num_rows_per_block=rows_per_block)
               .materialize())
     except Exception as e:
@@ -215,9 +242,14 @@ def build_token_store(shards: str, vocab_size: int | None, block_mb: float = 8.0
     ids, block_of, row_of = _index([ids for ids, _ in per_block])
     info = StoreInfo(samples=int(ids.size), tokens=int(sum(n for _, n in per_block)), blocks=len(refs),
                      bytes=int(ds.size_bytes()), seconds=time.perf_counter() - t0)
-    handle = {"ids": ids, "block_of": block_of, "row_of": row_of, "blocks": refs,
-              "key": f"store-{ray.get_runtime_context().get_job_id()}-{id(refs)}", "cache_bytes": int(cache_mb * 2**20)}
-    return handle, info
+    return _handle(ids, block_of, row_of, refs, cache_mb), info
+
+
+def _handle(ids, block_of, row_of, refs: list, cache_mb: float) -> dict:
+    import ray
+
+    return {"ids": ids, "block_of": block_of, "row_of": row_of, "blocks": refs,
+            "key": f"store-{ray.get_runtime_context().get_job_id()}-{id(refs)}", "cache_bytes": int(cache_mb * 2**20)}
 
 
 def _user_error(e: BaseException) -> UserError | None:
