@@ -42,7 +42,7 @@ def test_compare_orders_refuses_an_unknown_strategy_in_one_line(tiny_data, tmp_p
 CHOSEN = ("sequential", "stride")
 
 
-def test_compare_orders_trains_each_strategy_on_the_same_batches(train_run, tiny_data, capsys):
+def test_compare_orders_trains_the_named_strategies_on_the_same_batches(train_run, tiny_data, capsys):
     from dflash_ray.cli import main
 
     root = train_run.root
