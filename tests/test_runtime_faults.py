@@ -4,7 +4,8 @@
 no model.target_path (the target is synthesised into its run directory, from the same config and seed
 as the job's). Mid-epoch a target actor is killed, then a trainer worker while rank 0 is inside the
 step-8 checkpoint (held there by the tests' fault hook: steps 6 and 7, after the step-5 checkpoint at
-epoch 0's end, are in the ledger and must be rolled back); the run must finish by itself. Then the same run name is rerun from the command line (`python -m dflash_ray.train`, a new process
+epoch 0's end, are in the ledger and must be rolled back, with step 5 if its checkpoint was not registered
+yet); the run must finish by itself. Then the same run name is rerun from the command line (`python -m dflash_ray.train`, a new process
 starting its own local Ray) with ONE drafter worker and grad_accum=2 (still W = 2): it resumes at the
 checkpoint's global plan position and finishes both epochs.
 
@@ -85,7 +86,8 @@ def test_kills_then_resume_with_fewer_workers_match_uninterrupted(job_run, train
     assert (Path(spec.run_dir) / "target" / "config.json").exists()        # synthesised
     assert set(killed) == {"target", "trainer"}
     assert s["target_restarts"] >= 1 and s["trainer_restarts"] >= 1, s
-    assert s["failures_survived"] >= 2 and s["rolled_back_steps"] == 2       # steps 6 and 7
+    # steps 6 and 7; and 5, when the step-5 checkpoint's async upload was not yet registered at the kill
+    assert s["failures_survived"] >= 2 and s["rolled_back_steps"] >= 2, s
     assert s["steps"] == 8 and s["ledger"]["ok"], s["ledger"]
     assert read_state(Path(s["checkpoint"]))["cursor"] == {"epoch": 1, "position": 2 * (8 - steps[0]), "step": 8}
     # the default upload is async (Ray Train uploads while training goes on): the restart still resumed

@@ -43,12 +43,17 @@ class Progress:
                     print(self.line(p), file=sys.stderr, flush=True)
                     last_line, last_step = time.time(), p["step"]
             self.stop.wait(1.0)
+        # the run's end: its last step, which the last poll may have missed (a log then ended one short)
+        try:
+            p = ray.get(self.coord.progress.remote(), timeout=10)
+        except Exception:
+            p = None
         if bar is not None:
-            try:
-                bar = self._tqdm(bar, ray.get(self.coord.progress.remote(), timeout=10))
-            except Exception:
-                pass
+            if p is not None:
+                bar = self._tqdm(bar, p)
             bar.close()
+        elif p is not None and p["total_steps"] and p["step"] != last_step:
+            print(self.line(p), file=sys.stderr, flush=True)
 
     def line(self, p) -> str:
         """One progress line (for logs, where a redrawn bar would be noise)."""
