@@ -53,7 +53,7 @@ def test_store_built_by_ray_data_matches_a_direct_read(ray_session, tmp_path):
 
 
 @pytest.mark.parametrize("ray_data", [None, True])
-def test_a_corpus_of_one_block_is_read_by_the_driver_and_matches(ray_session, tmp_path, ray_data):
+def test_a_corpus_of_one_block_is_read_by_the_driver_and_matches(ray_session, tmp_path, ray_data, monkeypatch):
     """At most block_mb of tokens: one block either way; by default read here (no Ray Data job), the same
     store as Ray Data's read."""
     import ray
@@ -65,11 +65,8 @@ def test_a_corpus_of_one_block_is_read_by_the_driver_and_matches(ray_session, tm
     truth = _direct(root)
     calls = []
     real = token_store._read_one_block
-    token_store._read_one_block = lambda *a, **k: calls.append(1) or real(*a, **k)
-    try:
-        handle, info = build_token_store(str(root), vocab_size=500, block_mb=1.0, ray_data=ray_data)
-    finally:
-        token_store._read_one_block = real
+    monkeypatch.setattr(token_store, "_read_one_block", lambda *a, **k: calls.append(1) or real(*a, **k))
+    handle, info = build_token_store(str(root), vocab_size=500, block_mb=1.0, ray_data=ray_data)
     assert len(calls) == (1 if ray_data is None else 0)
     assert info.blocks == 1 and info.samples == len(truth) == 120
     assert info.tokens == sum(len(v[0]) for v in truth.values())
