@@ -40,7 +40,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from dflash_ray.model.drafter import DFlashDrafter, drafter_config  # noqa: E402
-from dflash_ray.runtime.memory import Shape, drafter_step_memory  # noqa: E402
+from dflash_ray.sizing.memory import Shape, drafter_step_memory  # noqa: E402
 
 QWEN3_8B = dict(hidden=4096, layers=5, heads=32, kv_heads=8, head_dim=128, intermediate=12288,
                 vocab=151936, block=16, anchors=512, context=3072, target_layers=36, batch=1)

@@ -32,7 +32,7 @@ driver and of every descendant process; the step and the target actors' busy sec
      cores): that is the model's compute, not the Ray path's.
    Plus the CPU of the processes that do no model compute at all (everything but the target actors and
    trainer workers): overhead for sure. Next to it, the time per feed row at GPU scale from the capacity
-   model's seed run (runtime/capacity.py SEED_RUN: 25.3K tokens/s on 6 + 2 GPUs, 16,384-token batches).
+   model's seed run (sizing/capacity.py SEED_RUN: 25.3K tokens/s on 6 + 2 GPUs, 16,384-token batches).
 
 Goal (reliability issue): steady memory in every process; the Ray path's overhead under 5 ms CPU per row.
 """
@@ -219,8 +219,8 @@ def calibrate(run_spec, steps: int) -> dict:
     import torch
 
     from bench_pipeline import plain_row, plain_setup
-    from dflash_ray.runtime.rows import FILLER
-    from dflash_ray.runtime.step import train_step
+    from dflash_ray.runtime.stream.rows import FILLER
+    from dflash_ray.runtime.training.step import train_step
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -312,7 +312,7 @@ def main(argv=None) -> int:
     from omegaconf import OmegaConf
 
     from dflash_ray.config import compose_config
-    from dflash_ray.runtime.capacity import SEED_RUN
+    from dflash_ray.sizing.capacity import SEED_RUN
     from dflash_ray.runtime.spec import coordinator_name
     from dflash_ray.train import main_job
 

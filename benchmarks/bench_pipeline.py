@@ -38,9 +38,9 @@ def plain_setup(run_spec, steps: int):
 
     from dflash_ray.data.shards import read_all
     from dflash_ray.model.target import load_feature_extractor
-    from dflash_ray.runtime.feed import Cursor, build_feed
-    from dflash_ray.runtime.step import LossModule, build_run_drafter, make_optimizer
-    from dflash_ray.runtime.token_store import TokenStore
+    from dflash_ray.runtime.stream.feed import Cursor, build_feed
+    from dflash_ray.runtime.training.step import LossModule, build_run_drafter, make_optimizer
+    from dflash_ray.runtime.stream.token_store import TokenStore
 
     feed = build_feed(run_spec.build_plan, Cursor(), run_spec.batches_per_step, run_spec.train.epochs, steps)
     drafter = build_run_drafter(run_spec, torch.device("cpu"))
@@ -56,8 +56,8 @@ def plain_row(p, run_spec, row):
     (this thread's) of its target forward."""
     import numpy as np
 
-    from dflash_ray.runtime.pipeline import target_context
-    from dflash_ray.runtime.rows import TrainRow, token_row
+    from dflash_ray.runtime.stream.pipeline import target_context
+    from dflash_ray.runtime.stream.rows import TrainRow, token_row
 
     lengths = np.asarray(row["lengths"])
     ids, mask = p.store.batch(np.asarray(row["sample_ids"]), lengths, run_spec.pad_token_id)
@@ -72,8 +72,8 @@ def plain_loop(run_spec, steps: int, threads: int) -> dict:
     """The same batches and the same step function (`train_step`) as the Ray workers, in one process."""
     import torch
 
-    from dflash_ray.runtime.rows import FILLER
-    from dflash_ray.runtime.step import train_step
+    from dflash_ray.runtime.stream.rows import FILLER
+    from dflash_ray.runtime.training.step import train_step
 
     torch.set_num_threads(threads)
     per_step = run_spec.batches_per_step
@@ -108,7 +108,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from dflash_ray.config import compose_config
-    from dflash_ray.runtime.capacity import best_split
+    from dflash_ray.sizing.capacity import best_split
     from dflash_ray.runtime.spec import resolve_spec
     from dflash_ray.train import main_job
 

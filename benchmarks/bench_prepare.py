@@ -33,7 +33,7 @@ def main(argv=None) -> int:
     from dflash_ray.data.prepare import prepare
     from dflash_ray.data.shards import read_lengths
     from dflash_ray.data.synthetic import train_tokenizer, write_corpus
-    from dflash_ray.runtime.prepare_job import prepare_on_ray
+    from dflash_ray.runtime.jobs.prepare_on_ray import prepare_on_ray
 
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)

@@ -7,7 +7,7 @@ the real loss) on a batch of each bucket of the seed run's boundaries scaled by 
 a target budget of 4096 padded tokens: 32 rows of 128 down to 2 rows of 2048), 90% of each row
 supervised. `num_anchors` 128 per row (512 / 4). Each measurement runs in a fresh process: the whole
 step (drafter built, forward, backward, AdamW step), its peak resident memory above the process's memory
-after the imports (ru_maxrss; Linux, KiB), beside the memory model's estimate (runtime/memory.py, what
+after the imports (ru_maxrss; Linux, KiB), beside the memory model's estimate (sizing/memory.py, what
 `dflash-ray plan` prints).
 
 Goals (`--check` exits 1 when one fails): with `anchors_per_batch` (128 here = 2048 block tokens per
@@ -40,7 +40,7 @@ def measure(length: int, anchors_per_batch: int | None) -> dict:
     from transformers import Qwen3Config
 
     from dflash_ray.model.drafter import DrafterConfig, anchor_quota, build_drafter
-    from dflash_ray.runtime.memory import Shape, drafter_step_memory
+    from dflash_ray.sizing.memory import Shape, drafter_step_memory
 
     torch.set_num_threads(2)
     hidden, vocab, block = 256, 4096, 16
@@ -114,7 +114,7 @@ def main(argv=None) -> int:
                   f"                    | {b['blocks']:>7} {b['peak_mib']:>9.0f} {b['model_mib']:>7.0f}")
         print(f"max/min peak: {ratios['None']:.2f} without the budget, {ratios[str(ANCHORS_PER_BATCH)]:.2f} with it "
               f"(goal <= {GOAL}: {'PASS' if flat else 'FAIL'})")
-        print(f"memory model (runtime/memory.py) vs measured: {min(errors):+.1%} .. {max(errors):+.1%} "
+        print(f"memory model (sizing/memory.py) vs measured: {min(errors):+.1%} .. {max(errors):+.1%} "
               f"(goal within {MODEL_GOAL:.0%}: {'PASS' if model_ok else 'FAIL'})")
     return 1 if (args.check and not passed) else 0
 

@@ -31,7 +31,7 @@ GOAL = 1.5
 
 
 def measure(plan, extract, repeats: int, rng) -> dict:
-    from dflash_ray.runtime.pipeline import target_context
+    from dflash_ray.runtime.stream.pipeline import target_context
 
     vocab = int(extract.config.vocab_size)
     busy = np.zeros(plan.num_batches)
@@ -68,7 +68,7 @@ def main(argv=None) -> int:
     import torch
 
     from dflash_ray.config import compose_config
-    from dflash_ray.data.default import ensure_data
+    from dflash_ray.demo.world import ensure_data
     from dflash_ray.data.plan import plan_from_config
     from dflash_ray.model.target import build_synthetic_target, default_target_layer_ids, load_feature_extractor
 

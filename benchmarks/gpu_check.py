@@ -53,8 +53,8 @@ def check_collective(device) -> dict:
     import torch
     import torch.distributed as dist
 
-    from dflash_ray.runtime.rows import TrainRow, encode_features, token_row
-    from dflash_ray.runtime.step import LossModule, make_optimizer, train_step
+    from dflash_ray.runtime.stream.rows import TrainRow, encode_features, token_row
+    from dflash_ray.runtime.training.step import LossModule, make_optimizer, train_step
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -98,7 +98,7 @@ def check_collective(device) -> dict:
 def check_features(device) -> dict:
     import torch
 
-    from dflash_ray.runtime.rows import decode_features, encode_features
+    from dflash_ray.runtime.stream.rows import decode_features, encode_features
 
     x = torch.randn(2, 33, 640, device=device).to(torch.bfloat16)
     array, name = encode_features(x)
@@ -110,9 +110,9 @@ def check_features(device) -> dict:
 def check_checkpoint(device) -> dict:
     import torch
 
-    from dflash_ray.runtime.checkpoint import load_checkpoint, write_checkpoint
-    from dflash_ray.runtime.feed import Cursor
-    from dflash_ray.runtime.step import lr_lambda
+    from dflash_ray.runtime.training.checkpoint import load_checkpoint, write_checkpoint
+    from dflash_ray.runtime.stream.feed import Cursor
+    from dflash_ray.runtime.training.step import lr_lambda
 
     def fresh():
         d = tiny_drafter(device)

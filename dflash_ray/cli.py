@@ -130,7 +130,7 @@ def regenerate_command(cfg, args) -> int:
 
     from dflash_ray.config import require
     from dflash_ray.runtime.cluster import ray_cluster
-    from dflash_ray.runtime.regenerate import regenerate
+    from dflash_ray.runtime.jobs.regenerate import regenerate
 
     source, tokenizer = require(cfg, "data.input"), require(cfg, "data.tokenizer")
     target, output = require(cfg, "model.target_path"), require(cfg, "regenerate.output")
@@ -156,7 +156,7 @@ def prepare_command(cfg, args) -> int:
     where = (require(cfg, "data.input"), require(cfg, "data.tokenizer"), require(cfg, "data.output"))
     if cfg.data.prepare_engine == "ray":
         from dflash_ray.runtime.cluster import ray_cluster
-        from dflash_ray.runtime.prepare_job import prepare_on_ray
+        from dflash_ray.runtime.jobs.prepare_on_ray import prepare_on_ray
 
         log = (lambda *a, **k: print(*a, file=sys.stderr, **k)) if args.json else print
         with ray_cluster(OmegaConf.to_object(cfg.cluster), log=log):
@@ -185,7 +185,7 @@ def plan_command(cfg, args) -> int:
     from dflash_ray.data.plan import plan_from_config
     from dflash_ray.data.report import format_plan
     from dflash_ray.data.shards import check_shards, write_table_atomic
-    from dflash_ray.runtime.capacity import capacity_report
+    from dflash_ray.sizing.capacity import capacity_report
 
     if args.check:
         check_shards(require(cfg, "data.shards"), cfg.data.vocab_size)
@@ -227,7 +227,7 @@ def plan_memory(cfg, plan) -> dict:
     model.target_path's config.json or model.target_config); only a line when the shape is unknown."""
     from dflash_ray.data.plan import target_fields
     from dflash_ray.model.target import default_target_layer_ids
-    from dflash_ray.runtime.memory import memory_report
+    from dflash_ray.sizing.memory import memory_report
 
     target = target_fields(cfg)
     if not target or "vocab_size" not in target.get("text_config", target):
@@ -314,7 +314,7 @@ def train_command(cfg, args) -> int:
 
 def compare_orders_command(cfg, args) -> int:
     """The same drafter trained once per interleave strategy with the same budget, side by side."""
-    from dflash_ray.runtime.compare import STRATEGIES, compare_orders, format_comparison
+    from dflash_ray.runtime.jobs.compare_orders import STRATEGIES, compare_orders, format_comparison
 
     strategies = list(STRATEGIES)
     if args.strategies is not None:
@@ -338,7 +338,7 @@ def compare_orders_command(cfg, args) -> int:
 
 def export_command(cfg, args) -> int:
     """Export the latest checkpoint of a run (local or remote storage) to <run.dir>/export."""
-    from dflash_ray.runtime.checkpoint import export_latest
+    from dflash_ray.runtime.training.checkpoint import export_latest
     from dflash_ray.runtime.spec import resolve_spec
 
     # the checkpoint and the drafter's shape only: the shards are not read (they may have changed or be gone)
@@ -351,7 +351,7 @@ def export_command(cfg, args) -> int:
 
 
 def plot_command(cfg, args) -> int:
-    from dflash_ray.runtime.plots import plot_run
+    from dflash_ray.runtime.record.plots import plot_run
 
     for p in plot_run(args.run_dir or cfg.run.dir):
         print(p)

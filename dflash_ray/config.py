@@ -266,7 +266,7 @@ def _check_rules(cfg: DictConfig) -> None:
         raise UserError("config key 'train.checkpoint_every_minutes': checkpoints are off (it and "
                         "train.checkpoint_every are both 0/null): set one of them (a restart would retrain "
                         "whole epochs)")
-    from dflash_ray.runtime.trackers import chosen
+    from dflash_ray.runtime.record.trackers import chosen
 
     chosen(t)  # unknown tracker names
     if t.wandb_mode is not None and t.wandb_mode not in ("online", "offline", "disabled"):

@@ -27,13 +27,13 @@ def main_job(cfg, *, progress: bool = True, log=print, plan_log=print):
     from omegaconf import OmegaConf
 
     from dflash_ray.errors import UserError
-    from dflash_ray.runtime.checkpoint import export_latest
+    from dflash_ray.runtime.training.checkpoint import export_latest
     from dflash_ray.runtime.cluster import check_resources, ray_cluster
-    from dflash_ray.runtime import trackers
-    from dflash_ray.runtime.heldout import initial_and_trained_tau
+    from dflash_ray.runtime.record import trackers
+    from dflash_ray.runtime.record.heldout import initial_and_trained_tau
     from dflash_ray.runtime.spec import resolve_spec
-    from dflash_ray.runtime.summary import build_summary
-    from dflash_ray.runtime.trainer import fit
+    from dflash_ray.runtime.record.summary import build_summary
+    from dflash_ray.runtime.training.trainer import fit
 
     required = sorted(OmegaConf.missing_keys(cfg) & {"data.tokenizer", "data.shards", "model.target_path"})
     if required:  # before Ray starts: a run that cannot resolve should not cost a cluster start

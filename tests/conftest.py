@@ -74,7 +74,7 @@ def tiny_data(tmp_path_factory):
     from transformers import AutoTokenizer
 
     from dflash_ray.config import compose_config
-    from dflash_ray.data.default import ensure_data
+    from dflash_ray.demo.world import ensure_data
     from dflash_ray.model.target import build_synthetic_target
 
     root = tmp_path_factory.mktemp("tiny_data")

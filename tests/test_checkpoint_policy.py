@@ -14,8 +14,8 @@ import torch
 
 from dflash_ray.config import compose_config
 from dflash_ray.errors import UserError
-from dflash_ray.runtime.checkpoint import checkpoint_due
-from dflash_ray.runtime.feed import Cursor
+from dflash_ray.runtime.training.checkpoint import checkpoint_due
+from dflash_ray.runtime.stream.feed import Cursor
 
 
 def due_steps(n, every_steps=None, every_minutes=None, since=lambda s: 0.0, last=None, epoch_ends=()):
@@ -84,7 +84,7 @@ def test_checkpoints_off_is_one_cli_line(capsys):
 def _decide_on_two_ranks(rank, port, out, broadcast):
     import torch.distributed as dist
 
-    from dflash_ray.runtime.loop import rank0_value
+    from dflash_ray.runtime.training.loop import rank0_value
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
@@ -123,14 +123,14 @@ def test_time_based_decision_is_rank_zeros_on_every_rank(tmp_path):
 
 
 def test_rank0_value_single_process_is_the_value():
-    from dflash_ray.runtime.loop import rank0_value
+    from dflash_ray.runtime.training.loop import rank0_value
 
     assert rank0_value(12.5, torch.device("cpu"), 1) == 12.5
 
 
 # ----------------------------------------------------------------------------- handing it to Ray Train
 def _model():
-    from dflash_ray.runtime.step import lr_lambda
+    from dflash_ray.runtime.training.step import lr_lambda
 
     model = torch.nn.Linear(4, 3)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -144,7 +144,7 @@ def test_save_checkpoint_hands_a_whole_directory_after_the_ledger(monkeypatch, u
     directory is Ray's to upload and delete after report returns (a TemporaryDirectory would be gone)."""
     import ray.train
 
-    from dflash_ray.runtime.checkpoint import save_checkpoint
+    from dflash_ray.runtime.training.checkpoint import save_checkpoint
 
     events, seen = [], {}
 
@@ -173,7 +173,7 @@ def test_save_checkpoint_hands_a_whole_directory_after_the_ledger(monkeypatch, u
 def _check_handed_over(events, seen, cost, upload):
     import ray.train
 
-    from dflash_ray.runtime.checkpoint import read_state
+    from dflash_ray.runtime.training.checkpoint import read_state
 
     assert events == [("before_register", ["checkpoint_bytes", "checkpoint_write_seconds"]), "report"]
     assert seen["files"] == ["drafter.safetensors", "optim.pt", "rng_rank0.pt", "state.json"]
@@ -193,7 +193,7 @@ def _check_handed_over(events, seen, cost, upload):
 def test_timed_upload_calls_rays_persist_then_reports_seconds(monkeypatch):
     import ray.train
 
-    from dflash_ray.runtime.checkpoint import _timed_upload
+    from dflash_ray.runtime.training.checkpoint import _timed_upload
 
     calls = []
 
@@ -265,7 +265,7 @@ def test_coordinator_records_checkpoint_cost(ray_session, tmp_path):
 def test_unregistered_checkpoint_directories_are_removed_and_registered_ones_kept(tmp_path):
     import json
 
-    from dflash_ray.runtime.checkpoint import SNAPSHOT, remove_unregistered_checkpoints
+    from dflash_ray.runtime.training.checkpoint import SNAPSHOT, remove_unregistered_checkpoints
 
     exp = tmp_path / "run"
     for d in ("checkpoint_a", "checkpoint_b", "checkpoint_c", "checkpoint_pending", "not_a_checkpoint"):

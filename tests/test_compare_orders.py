@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dflash_ray.runtime.compare import STRATEGIES, bucket_usage, roughness
+from dflash_ray.runtime.jobs.compare_orders import STRATEGIES, bucket_usage, roughness
 
 
 def test_roughness_by_hand():

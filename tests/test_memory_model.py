@@ -11,7 +11,7 @@ from transformers import Qwen3Config
 
 from dflash_ray.cli import run_command
 from dflash_ray.model.drafter import DrafterConfig, build_drafter
-from dflash_ray.runtime.memory import GIB, Shape, drafter_params, drafter_step_memory, target_actor_memory
+from dflash_ray.sizing.memory import GIB, Shape, drafter_params, drafter_step_memory, target_actor_memory
 
 QWEN3_8B = {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 4096, "intermediate_size": 12288,
             "num_hidden_layers": 36, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,

@@ -7,9 +7,9 @@ from types import SimpleNamespace
 import pyarrow as pa
 import pytest
 
-from dflash_ray.runtime.capacity import node_split
-from dflash_ray.runtime.feed import rank_rows
-from dflash_ray.runtime.pipeline import (MAX_ROWS_PER_BLOCK, block_budget_mb, block_rows, node_groups, rows_per_block,
+from dflash_ray.sizing.capacity import node_split
+from dflash_ray.runtime.stream.feed import rank_rows
+from dflash_ray.runtime.stream.pipeline import (MAX_ROWS_PER_BLOCK, block_budget_mb, block_rows, node_groups, rows_per_block,
                                         stream_blocks, target_shares)
 
 

@@ -95,7 +95,7 @@ def test_train_causal_lm_lowers_the_loss_and_runs_once(world, tmp_path):
 def test_regenerate_job_on_ray_is_resumable_and_counts_bad_lines(world, ray_session, tmp_path):
     from types import SimpleNamespace
 
-    from dflash_ray.runtime.regenerate import regenerate
+    from dflash_ray.runtime.jobs.regenerate import regenerate
 
     root, tokdir, target, tok = world
     src = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "conversations": CONVS[0]}, "{not json",

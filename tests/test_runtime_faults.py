@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 
 from helpers_cluster import RUNTIME_RUN, TrainRun, wait_for
-from dflash_ray.runtime.checkpoint import load_weights, read_state
-from dflash_ray.runtime.ledger import LEDGER, read_jsonl
-from dflash_ray.runtime.loop import TEST_FAULTS_ENV
+from dflash_ray.runtime.training.checkpoint import load_weights, read_state
+from dflash_ray.runtime.record.ledger import LEDGER, read_jsonl
+from dflash_ray.runtime.training.loop import TEST_FAULTS_ENV
 
 
 def coordinator(name):

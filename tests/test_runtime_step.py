@@ -1,4 +1,4 @@
-"""The optimizer step without Ray (runtime/step.py) and the row schema (runtime/rows.py), in one process.
+"""The optimizer step without Ray (runtime/training/step.py) and the row schema (runtime/stream/rows.py), in one process.
 
 The step's loss is sum(loss_sum) / sum(weight_sum) over every batch of the step: the expected update is
 computed here from the drafter's own training loss with plain autograd, independently of train_step's
@@ -16,8 +16,8 @@ import torch
 
 from dflash_ray.model.drafter import DrafterConfig
 from dflash_ray.model.target import build_synthetic_target, load_target
-from dflash_ray.runtime.rows import FILLER, TrainRow, decode_features, encode_features, token_row
-from dflash_ray.runtime.step import LossModule, StepStats, batch_seed, train_step
+from dflash_ray.runtime.stream.rows import FILLER, TrainRow, decode_features, encode_features, token_row
+from dflash_ray.runtime.training.step import LossModule, StepStats, batch_seed, train_step
 from helpers_model import TINY_QWEN3, tiny_step_drafter
 
 VOCAB, MASK, BLOCK = 300, 299, 4
@@ -152,7 +152,7 @@ def test_batch_seed_is_a_pure_function_of_the_batch():
     np.random.seed(123)
     torch.manual_seed(5)
     here = [batch_seed(0, 1, 7), batch_seed(3, 0, 0)]
-    out = subprocess.run([sys.executable, "-c", "from dflash_ray.runtime.step import batch_seed;"
+    out = subprocess.run([sys.executable, "-c", "from dflash_ray.runtime.training.step import batch_seed;"
                           "print(batch_seed(0, 1, 7), batch_seed(3, 0, 0))"],
                          capture_output=True, text=True, check=True, env={**os.environ, "PYTHONHASHSEED": "99"})
     assert [int(x) for x in out.stdout.split()] == here
@@ -167,7 +167,7 @@ def test_run_drafter_is_the_seeded_drafter_on_its_device(tmp_path, tied):
     from types import SimpleNamespace
 
     from dflash_ray.model.drafter import DFlashDrafter, drafter_config
-    from dflash_ray.runtime.step import build_run_drafter
+    from dflash_ray.runtime.training.step import build_run_drafter
 
     target_dir = build_synthetic_target({**TINY_QWEN3, "num_hidden_layers": 4, "tie_word_embeddings": tied},
                                         VOCAB, str(tmp_path / "target"), seed=4)

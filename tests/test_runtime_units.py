@@ -12,10 +12,10 @@ import pyarrow as pa
 import pytest
 
 from dflash_ray.data.plan import PlanSpec, build_plan
-from dflash_ray.runtime.capacity import best_split, capacity_report
-from dflash_ray.runtime.feed import FILLER, Cursor, build_feed, cursor_after, rank_rows
-from dflash_ray.runtime.ledger import read_jsonl, rewrite_jsonl, rollback, verify_ledger
-from dflash_ray.runtime.step import lr_lambda
+from dflash_ray.sizing.capacity import best_split, capacity_report
+from dflash_ray.runtime.stream.feed import FILLER, Cursor, build_feed, cursor_after, rank_rows
+from dflash_ray.runtime.record.ledger import read_jsonl, rewrite_jsonl, rollback, verify_ledger
+from dflash_ray.runtime.training.step import lr_lambda
 
 
 def _plans(num_samples=300, seed=0):
@@ -135,7 +135,7 @@ def test_lr_schedule_warmup_then_cosine_to_zero():
 def test_checkpoint_manifest_detects_incomplete(tmp_path):
     import torch
 
-    from dflash_ray.runtime.checkpoint import (IncompleteCheckpoint, load_checkpoint, read_state,
+    from dflash_ray.runtime.training.checkpoint import (IncompleteCheckpoint, load_checkpoint, read_state,
                                                write_checkpoint, write_rank_files)
 
     model = torch.nn.Linear(4, 3)
@@ -165,7 +165,7 @@ def test_checkpoint_manifest_detects_incomplete(tmp_path):
 def test_checkpoint_lookup_reads_ray_trains_record_on_any_filesystem(tmp_path, uri):
     """One reader (pyarrow's filesystem layer) for the cursor, the latest checkpoint and its files, so
     a URI storage path (s3://, gs://; file:// here) goes the same way as a local one."""
-    from dflash_ray.runtime.checkpoint import SNAPSHOT, cursor_metrics, latest_checkpoint, local_checkpoint
+    from dflash_ray.runtime.training.checkpoint import SNAPSHOT, cursor_metrics, latest_checkpoint, local_checkpoint
 
     where = f"file://{tmp_path}" if uri else str(tmp_path)
     assert latest_checkpoint(where) == (Cursor(), None)
@@ -181,7 +181,7 @@ def test_checkpoint_lookup_reads_ray_trains_record_on_any_filesystem(tmp_path, u
 
 
 def test_checkpoint_due_every_n_steps_at_epoch_ends_and_the_last_step():
-    from dflash_ray.runtime.checkpoint import checkpoint_due
+    from dflash_ray.runtime.training.checkpoint import checkpoint_due
 
     due = [s for s in range(1, 15) if checkpoint_due(s, 4, last_step=s == 14, end_of_epoch=s in (6, 12))]
     assert due == [4, 6, 8, 12, 14]
@@ -221,7 +221,7 @@ def test_plan_command_prints_capacity(tmp_path, tiny_data, capsys):
 
 
 def test_token_store_pads_and_truncates():
-    from dflash_ray.runtime.token_store import TokenStore
+    from dflash_ray.runtime.stream.token_store import TokenStore
 
     table = pa.table({"sample_id": pa.array([7, 3], pa.int64()),
                       "input_ids": pa.array([[1, 2, 3, 4], [5, 6]], pa.list_(pa.int32())),
@@ -290,7 +290,7 @@ def test_flight_window_holds_a_step_two_rounds_and_the_report_slack(ray_session,
 
 
 def test_rank0_reports_at_start_on_time_and_before_the_window_runs_short():
-    from dflash_ray.runtime.loop import COMMIT_INTERVAL_S, commit_due
+    from dflash_ray.runtime.training.loop import COMMIT_INTERVAL_S, commit_due
 
     assert commit_due(0, 0.0, 2, 64)                        # the first step at once
     assert not commit_due(5, 0.01, 12, 64)                  # tiny steps: wait and send several

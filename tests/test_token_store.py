@@ -34,7 +34,7 @@ def _direct(root) -> dict:
 def test_store_built_by_ray_data_matches_a_direct_read(ray_session, tmp_path):
     import ray
 
-    from dflash_ray.runtime.token_store import TokenStore, build_token_store
+    from dflash_ray.runtime.stream.token_store import TokenStore, build_token_store
 
     root = _shards(tmp_path / "shards")
     truth = _direct(root)
@@ -58,8 +58,8 @@ def test_a_corpus_of_one_block_is_read_by_the_driver_and_matches(ray_session, tm
     store as Ray Data's read."""
     import ray
 
-    from dflash_ray.runtime import token_store
-    from dflash_ray.runtime.token_store import TokenStore, build_token_store
+    from dflash_ray.runtime.stream import token_store
+    from dflash_ray.runtime.stream.token_store import TokenStore, build_token_store
 
     root = _shards(tmp_path / "shards")
     truth = _direct(root)
@@ -89,7 +89,7 @@ def _check_lookups(store, truth):
 
 @pytest.mark.parametrize("ray_data", [True, False])
 def test_a_bad_row_in_the_store_read_names_shard_and_sample(ray_session, tmp_path, ray_data):
-    from dflash_ray.runtime.token_store import build_token_store
+    from dflash_ray.runtime.stream.token_store import build_token_store
 
     root = tmp_path / "shards"
     write_shard(root / "a.parquet", [1, 2, 3], [4, 4, 4], vocab=50)
@@ -103,7 +103,7 @@ def test_a_bad_row_in_the_store_read_names_shard_and_sample(ray_session, tmp_pat
 
 
 def test_in_memory_store_cuts_pads_and_spans_blocks():
-    from dflash_ray.runtime.token_store import TokenStore
+    from dflash_ray.runtime.stream.token_store import TokenStore
 
     table = pa.table({"sample_id": pa.array([9, 4, 6], pa.int64()),
                       "input_ids": pa.array([[1, 2, 3], [4], [5, 6]], pa.list_(pa.int32())),

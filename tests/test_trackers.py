@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 from helpers_cluster import TrainRun
 
-from dflash_ray.runtime.ledger import read_jsonl
+from dflash_ray.runtime.record.ledger import read_jsonl
 
 REPO = Path(__file__).resolve().parent.parent
 DASHBOARD = REPO / "dashboards" / "grafana" / "dflash_dashboard.json"
@@ -242,7 +242,7 @@ def test_tracker_choice_is_checked_before_anything_starts(capsys, monkeypatch, t
     from dflash_ray.cli import main
     from dflash_ray.config import compose_config
     from dflash_ray.errors import UserError
-    from dflash_ray.runtime import trackers
+    from dflash_ray.runtime.record import trackers
 
     with pytest.raises(UserError, match=r"config key 'train.trackers': 'neptune' is not one of tensorboard, mlflow"):
         compose_config(["train.trackers=[mlflow,neptune]"])
@@ -260,7 +260,7 @@ def test_tracker_choice_is_checked_before_anything_starts(capsys, monkeypatch, t
 
 
 def test_step_scalars_names_every_number_of_a_metrics_line():
-    from dflash_ray.runtime.trackers import step_scalars
+    from dflash_ray.runtime.record.trackers import step_scalars
 
     line = {"step": 3, "time": 1.0, "loss": 2.5, "slot_accuracy": [0.5, 0.25], "skipped_nonfinite": 0,
             "checkpoint_upload": "async", "train_tau": 1.75}

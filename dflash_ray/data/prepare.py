@@ -202,7 +202,7 @@ def no_samples(input_path, summary: PrepareSummary) -> UserError:
 
 def prepare(input_path, tokenizer_path: str, output: str, *, progress: bool = True, **options) -> PrepareSummary:
     """Single-process prepare: one pass over the inputs, shards of data.shard_size rows written as it goes
-    (the Ray Data job is runtime/prepare_job.py)."""
+    (the Ray Data job is runtime/jobs/prepare_on_ray.py)."""
     from tqdm import tqdm
 
     opts = Options(**options)

@@ -151,7 +151,7 @@ class DFlashDrafter(nn.Module):
         self.attention_backend = attention_backend
         self.ce_chunk_rows = int(ce_chunk_rows)
         # activation checkpointing: each layer keeps only its input for backward and recomputes the rest
-        # (runtime/memory.py counts both ways); set by the runtime from train.checkpoint_layers
+        # (sizing/memory.py counts both ways); set by the runtime from train.checkpoint_layers
         self.checkpoint_layers = False
         if self.block_size < 2:
             raise ValueError(f"block_size must be >= 2, got {self.block_size}")

@@ -78,7 +78,7 @@ def start_coordinator(run_spec, num_buckets: int):
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from dflash_ray.runtime import trackers
+    from dflash_ray.runtime.record import trackers
     from dflash_ray.runtime.coordinator import RunCoordinator
 
     names = trackers.chosen(run_spec.train)   # train.trackers (+ train.tensorboard, its alias)

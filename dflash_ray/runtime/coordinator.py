@@ -23,7 +23,7 @@ import shutil
 import time
 from pathlib import Path
 
-from dflash_ray.runtime.ledger import LEDGER, read_jsonl, rollback
+from dflash_ray.runtime.record.ledger import LEDGER, read_jsonl, rollback
 
 METRICS = "metrics.jsonl"
 EVENTS = "events.jsonl"
@@ -104,7 +104,7 @@ class RunCoordinator:
         self.stopped: dict | None = None      # why the workers stopped early (non-finite steps), for the driver
         # experiment trackers (train.trackers; train.tensorboard=true is the alias of tensorboard): each
         # step is logged once, when its first metrics line is written (trackers.py says why)
-        from dflash_ray.runtime.trackers import Trackers, options
+        from dflash_ray.runtime.record.trackers import Trackers, options
 
         names = list(trackers or [])
         if tensorboard and "tensorboard" not in names:
@@ -299,7 +299,7 @@ class RunCoordinator:
                 m.bucket.observe(b, tags=tags)
         m.train_tau.set(float(metrics.get("train_tau") or 0.0), tags=tags)
         if self.trackers is not None:
-            from dflash_ray.runtime.trackers import step_scalars
+            from dflash_ray.runtime.record.trackers import step_scalars
 
             self.trackers.log_step(int(metrics["step"]), step_scalars(metrics, record, self.targets))
 
@@ -309,7 +309,7 @@ class RunCoordinator:
         import ray
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        from dflash_ray.runtime.heldout import heldout_tau_of_weights
+        from dflash_ray.runtime.record.heldout import heldout_tau_of_weights
 
         out = self.dir / ".evals" / f"step_{int(step)}"
         node = ray.get_runtime_context().get_node_id()
@@ -332,7 +332,7 @@ class RunCoordinator:
             f.write(json.dumps(record) + "\n")
         self.metrics.heldout_tau.set(float(result["tau"]), tags=self.metrics.run)
         if self.trackers is not None:
-            from dflash_ray.runtime.trackers import eval_scalars
+            from dflash_ray.runtime.record.trackers import eval_scalars
 
             self.trackers.log_eval(int(step), eval_scalars(result))
         if result["tau"] > best:

@@ -84,7 +84,7 @@ def resolve_spec(cfg, log=print, *, inputs: bool = True, record: bool = True) ->
     (run_inputs.json) is neither written nor compared: the runs trained from it check their own."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from dflash_ray.data.default import HELDOUT, ensure_corpus, ensure_shards, write_heldout
+    from dflash_ray.demo.world import HELDOUT, ensure_corpus, ensure_shards, write_heldout
     from dflash_ray.data.shards import scan_shards
     from dflash_ray.model.target import (build_synthetic_target, default_mask_token_id, default_target_layer_ids,
                                          missing_weights)
@@ -183,8 +183,8 @@ def resolve_spec(cfg, log=print, *, inputs: bool = True, record: bool = True) ->
 
 def _first_start(run_dir: Path, storage: str, cfg) -> bool:
     """No registered checkpoint and no tokens' digest recorded yet: check_run_inputs will record one."""
-    from dflash_ray.runtime.checkpoint import read_snapshot
-    from dflash_ray.runtime.ledger import read_run_inputs
+    from dflash_ray.runtime.training.checkpoint import read_snapshot
+    from dflash_ray.runtime.record.ledger import read_run_inputs
 
     if (read_snapshot(f"{storage.rstrip('/')}/{cfg.run.name}") or {}).get("latest_checkpoint_result"):
         return False
@@ -217,8 +217,8 @@ def check_run_inputs(spec: RunSpec, tcfg, scan=None, log=print) -> None:
     from dflash_ray.data.shards import contents_digest, samples_fingerprint
     from dflash_ray.model.drafter import drafter_config
     from dflash_ray.model.export import _field
-    from dflash_ray.runtime.checkpoint import read_snapshot
-    from dflash_ray.runtime.ledger import RUN_INPUTS, read_run_inputs, write_run_inputs
+    from dflash_ray.runtime.training.checkpoint import read_snapshot
+    from dflash_ray.runtime.record.ledger import RUN_INPUTS, read_run_inputs, write_run_inputs
 
     d = spec.drafter
     config = drafter_config(tcfg, d.num_draft_layers, d.block_size, d.mask_token_id, list(d.target_layer_ids),
@@ -369,7 +369,7 @@ def _train_demo_target(cfg, tok, target_path, log) -> None:
 
 def _regenerate_demo(cfg, run_dir: Path, target_path, log) -> str:
     """The demo corpus with the target's own answers (a Ray Data job on the connected cluster)."""
-    from dflash_ray.runtime.regenerate import regenerate
+    from dflash_ray.runtime.jobs.regenerate import regenerate
 
     out = run_dir / "regenerated.jsonl"
     done = run_dir / ".regenerated.done"

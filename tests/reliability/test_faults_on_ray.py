@@ -8,7 +8,7 @@
 * The driver is SIGKILLed while a checkpoint's files are in storage but not yet registered: a rerun
   resumes from the previous registered checkpoint and ends with an exact ledger.
 
-Faults that need a precise moment come from DFLASH_TEST_FAULTS (runtime/loop.py: `faults_for_tests`),
+Faults that need a precise moment come from DFLASH_TEST_FAULTS (runtime/training/loop.py: `faults_for_tests`),
 which the driver reads and hands to the workers; every other part of these runs is the product as it runs.
 W = 2 (two drafter workers), 10 plan batches per epoch of the tiny data: 5 steps an epoch."""
 from __future__ import annotations
@@ -26,9 +26,9 @@ import pytest
 import torch
 
 from dflash_ray.errors import UserError
-from dflash_ray.runtime.checkpoint import latest_checkpoint, load_weights, read_snapshot, read_state
-from dflash_ray.runtime.ledger import LEDGER, read_jsonl
-from dflash_ray.runtime.loop import TEST_FAULTS_ENV
+from dflash_ray.runtime.training.checkpoint import latest_checkpoint, load_weights, read_snapshot, read_state
+from dflash_ray.runtime.record.ledger import LEDGER, read_jsonl
+from dflash_ray.runtime.training.loop import TEST_FAULTS_ENV
 from helpers_cluster import own_processes, wait_for
 
 BASE = ["train.epochs=2", "train.checkpoint_every=2", "train.num_to_keep=10"]

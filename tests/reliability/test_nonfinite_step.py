@@ -1,4 +1,4 @@
-"""A NaN or Inf in a step (runtime/step.py, no Ray): the step makes no update, says so, and the next
+"""A NaN or Inf in a step (runtime/training/step.py, no Ray): the step makes no update, says so, and the next
 finite step trains as if the bad one had never been there. The Ray run that skips, counts and stops is
 in test_faults_on_ray.py."""
 from __future__ import annotations
@@ -13,8 +13,8 @@ import torch
 from helpers_model import tiny_step_drafter
 
 from dflash_ray.config import TrainConfig
-from dflash_ray.runtime.rows import FILLER, TrainRow, encode_features, token_row
-from dflash_ray.runtime.step import LossModule, make_optimizer, train_step
+from dflash_ray.runtime.stream.rows import FILLER, TrainRow, encode_features, token_row
+from dflash_ray.runtime.training.step import LossModule, make_optimizer, train_step
 
 VOCAB, MASK, BLOCK = 300, 299, 4
 

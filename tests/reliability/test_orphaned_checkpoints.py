@@ -6,7 +6,7 @@ import os
 import subprocess
 import sys
 
-from dflash_ray.runtime.checkpoint import _local_prefix, remove_orphaned_local_checkpoints
+from dflash_ray.runtime.training.checkpoint import _local_prefix, remove_orphaned_local_checkpoints
 
 
 def test_only_dead_writers_directories_are_removed(tmp_path):

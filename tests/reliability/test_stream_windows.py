@@ -9,8 +9,8 @@ import torch
 
 from helpers_cluster import RUNTIME_RUN
 
-from dflash_ray.runtime.checkpoint import load_weights
-from dflash_ray.runtime.ledger import read_jsonl
+from dflash_ray.runtime.training.checkpoint import load_weights
+from dflash_ray.runtime.record.ledger import read_jsonl
 
 
 def test_a_run_in_windows_equals_the_run_in_one_stream(train_run, job_run):

@@ -27,8 +27,8 @@ import time
 
 import numpy as np
 
-from dflash_ray.runtime.rows import FEED_COLUMNS, FEED_SCALARS, encode_features, stack_rows, token_row
-from dflash_ray.runtime.token_store import TokenStore
+from dflash_ray.runtime.stream.rows import FEED_COLUMNS, FEED_SCALARS, encode_features, stack_rows, token_row
+from dflash_ray.runtime.stream.token_store import TokenStore
 
 
 class _Ref:
@@ -232,8 +232,8 @@ class DatasetFactory:
         self.experiment_dir = experiment_dir
 
     def feed(self):
-        from dflash_ray.runtime.checkpoint import latest_checkpoint
-        from dflash_ray.runtime.feed import build_feed
+        from dflash_ray.runtime.training.checkpoint import latest_checkpoint
+        from dflash_ray.runtime.stream.feed import build_feed
 
         s = self.run_spec
         cursor, _ = latest_checkpoint(self.experiment_dir)

@@ -42,12 +42,12 @@ def fit(run_spec, num_buckets: int, *, progress: bool = True) -> FitOutcome:
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from dflash_ray.runtime.checkpoint import remove_unregistered_checkpoints
+    from dflash_ray.runtime.training.checkpoint import remove_unregistered_checkpoints
     from dflash_ray.runtime.cluster import start_coordinator
-    from dflash_ray.runtime.loop import faults_for_tests, train_loop_per_worker
-    from dflash_ray.runtime.data_config import NodeLocalDataConfig
-    from dflash_ray.runtime.pipeline import DatasetFactory
-    from dflash_ray.runtime.token_store import build_token_store
+    from dflash_ray.runtime.training.loop import faults_for_tests, train_loop_per_worker
+    from dflash_ray.runtime.stream.node_local import NodeLocalDataConfig
+    from dflash_ray.runtime.stream.pipeline import DatasetFactory
+    from dflash_ray.runtime.stream.token_store import build_token_store
     from dflash_ray.runtime.progress import Progress
 
     run_spec = _fresh_coordinator(run_spec)
@@ -124,8 +124,8 @@ def stream_windows(run_spec, coord):
 
     import ray
 
-    from dflash_ray.runtime.checkpoint import latest_checkpoint
-    from dflash_ray.runtime.pipeline import DatasetFactory
+    from dflash_ray.runtime.training.checkpoint import latest_checkpoint
+    from dflash_ray.runtime.stream.pipeline import DatasetFactory
 
     rows = int(getattr(run_spec.train, "stream_window_rows", 0) or 0)
     run_end = DatasetFactory(run_spec, None, run_spec.experiment_dir).feed().total_steps
@@ -156,7 +156,7 @@ def _one_line(text: str, limit: int = 300) -> str:
 
 def resume_point(run_spec) -> str:
     """Where a rerun of this run.name starts: the latest checkpoint Ray Train registered (complete)."""
-    from dflash_ray.runtime.checkpoint import latest_checkpoint
+    from dflash_ray.runtime.training.checkpoint import latest_checkpoint
 
     try:
         cursor, checkpoint = latest_checkpoint(run_spec.experiment_dir)
@@ -173,7 +173,7 @@ def _cause(run_spec, failures: list) -> str:
     others' errors are its echoes), then any other exception."""
     import ray.exceptions
 
-    from dflash_ray.runtime.checkpoint import _filesystem
+    from dflash_ray.runtime.training.checkpoint import _filesystem
 
     storage_dir = _filesystem(run_spec.experiment_dir)[1]
     for e in failures:   # naming the run's storage, or a full disk that is not the local temporary directory

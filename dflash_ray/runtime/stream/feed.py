@@ -19,7 +19,7 @@ from dataclasses import asdict, dataclass
 import numpy as np
 import pyarrow as pa
 
-from dflash_ray.runtime.rows import FEED_LISTS, FEED_SCALARS, FILLER
+from dflash_ray.runtime.stream.rows import FEED_LISTS, FEED_SCALARS, FILLER
 
 
 @dataclass(frozen=True)

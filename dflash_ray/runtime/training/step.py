@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from dflash_ray.model.loss import expected_acceptance_length
-from dflash_ray.runtime.rows import FILLER, TrainRow
+from dflash_ray.runtime.stream.rows import FILLER, TrainRow
 
 
 def lr_lambda(total_steps: int, warmup_ratio: float):

@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from dflash_ray.atomic import write_json_atomic
-from dflash_ray.runtime.feed import Cursor
+from dflash_ray.runtime.stream.feed import Cursor
 
 STATE = "state.json"
 WEIGHTS = "drafter.safetensors"
@@ -390,7 +390,7 @@ def export_latest(run_spec, dtype: str = "target") -> tuple[str, str] | None:
     file). Returns (checkpoint, export dir), or None when the run has no checkpoint."""
     from dflash_ray.model.export import export_drafter
     from dflash_ray.model.target import target_dtype
-    from dflash_ray.runtime.step import build_run_drafter
+    from dflash_ray.runtime.training.step import build_run_drafter
 
     _, checkpoint = latest_checkpoint(run_spec.experiment_dir)
     if checkpoint is None:

@@ -53,7 +53,7 @@ def compare_orders(cfg, overrides: list[str], *, log=print, strategies=STRATEGIE
     from dflash_ray.config import compose_config
     from dflash_ray.runtime.cluster import ray_cluster
     from dflash_ray.runtime.coordinator import last_metrics
-    from dflash_ray.runtime.ledger import LEDGER, read_jsonl
+    from dflash_ray.runtime.record.ledger import LEDGER, read_jsonl
     from dflash_ray.runtime.spec import resolve_spec
     from dflash_ray.train import main_job
 

@@ -19,7 +19,7 @@ def plot_run(run_dir, out_dir=None) -> list[Path]:
     import numpy as np
 
     from dflash_ray.runtime.coordinator import EVALS, METRICS, last_metrics
-    from dflash_ray.runtime.ledger import LEDGER, read_jsonl
+    from dflash_ray.runtime.record.ledger import LEDGER, read_jsonl
 
     run_dir = Path(run_dir)
     if not run_dir.is_dir():

@@ -163,7 +163,7 @@ def memory_report(plan, target: dict, *, draft_layers: int, layer_ids: list[int]
                                      tokens=int(plan.padded_tokens().max()), weight_bytes=2 if use_gpu else 4)
     where = "GPU, bf16 autocast" if use_gpu else "CPU, fp32"
     g = lambda b: f"{b / GIB:,.2f} GiB" if b >= GIB / 2 else f"{b / 2 ** 20:,.1f} MiB"  # noqa: E731
-    text = [f"memory model ({where}; runtime/memory.py): drafter step, worst batch (bucket {int(plan.bucket[worst])}: "
+    text = [f"memory model ({where}; sizing/memory.py): drafter step, worst batch (bucket {int(plan.bucket[worst])}: "
             f"{int(trained[worst])} anchors x block {block}, {int(plan.padded_tokens()[worst]):,} context tokens) "
             f"{g(drafter['total'])}",
             f"  weights+grads+AdamW {g(drafter['weights'] + drafter['gradients'] + drafter['optimizer'])}, "

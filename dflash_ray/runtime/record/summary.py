@@ -12,9 +12,9 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_ray.runtime.checkpoint import latest_checkpoint
+from dflash_ray.runtime.training.checkpoint import latest_checkpoint
 from dflash_ray.runtime.coordinator import last_metrics
-from dflash_ray.runtime.ledger import LEDGER, read_jsonl, verify_ledger
+from dflash_ray.runtime.record.ledger import LEDGER, read_jsonl, verify_ledger
 
 
 def build_summary(run_spec, plan_summary: dict, report: dict, *, started: float, wall_seconds: float) -> dict:

@@ -25,9 +25,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from dflash_ray.runtime.feed import Cursor, cursor_after, rank_rows
-from dflash_ray.runtime.rows import TrainRow, train_rows
-from dflash_ray.runtime.step import LossModule, StepResult, build_run_drafter, make_optimizer, train_step
+from dflash_ray.runtime.stream.feed import Cursor, cursor_after, rank_rows
+from dflash_ray.runtime.stream.rows import TrainRow, train_rows
+from dflash_ray.runtime.training.step import LossModule, StepResult, build_run_drafter, make_optimizer, train_step
 
 
 class Prefetcher:
@@ -115,7 +115,7 @@ def _poison(row: TrainRow) -> TrainRow:
     """The row with a NaN in its first context feature (any encoding)."""
     import dataclasses
 
-    from dflash_ray.runtime.rows import decode_features, encode_features
+    from dflash_ray.runtime.stream.rows import decode_features, encode_features
 
     context = decode_features(row.context, row.context_dtype).clone()
     context.view(-1)[0] = float("nan")
@@ -141,7 +141,7 @@ def train_loop_per_worker(config: dict) -> None:
     import ray.train.torch
     import torch.distributed as dist
 
-    from dflash_ray.runtime.checkpoint import (checkpoint_due, load_checkpoint, read_state,
+    from dflash_ray.runtime.training.checkpoint import (checkpoint_due, load_checkpoint, read_state,
                                                remove_orphaned_local_checkpoints, save_checkpoint)
 
     run_spec = config["spec"]

@@ -1,0 +1,1 @@
+"""Side jobs on Ray: regenerate, prepare on Ray, compare interleave orders."""

@@ -1,0 +1,1 @@
+"""Training: the worker loop, the optimizer step, the TorchTrainer and the checkpoint manager."""
