@@ -76,6 +76,6 @@ def test_heldout_tau_during_training_keeps_the_best_drafter(demo):
 
 
 def spec_eos(spec) -> int:
-    from dflash_ray.data.prepare import load_tokenizer
+    from dflash_ray.tokenizer import load_tokenizer
 
     return load_tokenizer(spec.tokenizer).eos_token_id

@@ -12,7 +12,7 @@ import torch
 from helpers_data import make_tokenizer, write_jsonl
 from helpers_model import TINY_QWEN3
 
-from dflash_ray.data.prepare import load_tokenizer
+from dflash_ray.tokenizer import load_tokenizer
 from dflash_ray.model.evaluate import greedy_generate
 from dflash_ray.model.generation import TRAINED_MARKER, Regenerator, train_causal_lm
 from dflash_ray.model.target import build_synthetic_target, load_target

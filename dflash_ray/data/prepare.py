@@ -26,6 +26,7 @@ from dflash_ray.data.formats import BadRows, expand_inputs, iter_chunk, iter_con
 from dflash_ray.data.shards import PREPARED_SCHEMA
 from dflash_ray.data.supervision import supervise
 from dflash_ray.errors import UserError
+from dflash_ray.tokenizer import load_tokenizer
 
 TURN_STRIDE = 1024  # sample_id = conversation id x TURN_STRIDE + row turn
 
@@ -66,23 +67,6 @@ class PrepareSummary:
                 "per_turn_conversations": self.per_turn_conversations, "dropped": dict(self.dropped),
                 "untrusted_turns": dict(self.untrusted_turns), "bad_rows": self.bad_rows.as_dict(),
                 "output": self.output}
-
-
-def load_tokenizer(path: str):
-    from transformers import AutoTokenizer
-
-    p = Path(path)
-    if not p.is_dir():
-        raise UserError(f"{p}: tokenizer directory does not exist")
-    try:
-        tok = AutoTokenizer.from_pretrained(str(p))
-    except Exception as e:
-        raise UserError(f"{p}: cannot load tokenizer ({str(e).splitlines()[0]})") from e
-    if not getattr(tok, "is_fast", False):
-        raise UserError(f"{p}: a fast tokenizer (tokenizer.json) is needed for token offsets")
-    if not tok.chat_template:
-        raise UserError(f"{p}: tokenizer has no chat_template")
-    return tok
 
 
 def _check_output_dir(out: Path, src: Path) -> None:

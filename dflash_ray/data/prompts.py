@@ -12,7 +12,7 @@ from dflash_ray.errors import UserError
 
 def find_tokenizer(*candidates):
     """The first candidate directory that holds a tokenizer.json, loaded; None if none does."""
-    from dflash_ray.data.prepare import load_tokenizer
+    from dflash_ray.tokenizer import load_tokenizer
 
     for cand in candidates:
         if cand and (Path(cand) / "tokenizer.json").exists():

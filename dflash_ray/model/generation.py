@@ -77,7 +77,7 @@ class Regenerator:
 
     def __init__(self, target_dir: str, tokenizer_dir: str, *, max_new_tokens: int, batch_size: int = 32,
                  device: str | torch.device = "cpu"):
-        from dflash_ray.data.prepare import load_tokenizer
+        from dflash_ray.tokenizer import load_tokenizer
         from dflash_ray.model.target import load_target
 
         self.tok = load_tokenizer(tokenizer_dir)

@@ -14,9 +14,9 @@ from dataclasses import asdict
 from pathlib import Path
 
 from dflash_ray.data.formats import Chunk, plan_chunks
-from dflash_ray.data.prepare import (Options, PrepareSummary, check_inputs, load_tokenizer, no_samples,
-                                     prepare_chunk, rows_table)
+from dflash_ray.data.prepare import Options, PrepareSummary, check_inputs, no_samples, prepare_chunk, rows_table
 from dflash_ray.data.shards import PREPARED_SCHEMA
+from dflash_ray.tokenizer import load_tokenizer
 
 COUNTS = "chunk_counts"   # the column of the counts row (dropped before writing)
 
