@@ -84,7 +84,7 @@ def test_checkpoints_off_is_one_cli_line(capsys):
 def _decide_on_two_ranks(rank, port, out, broadcast):
     import torch.distributed as dist
 
-    from dflash_ray.runtime.training.loop import rank0_value
+    from dflash_ray.runtime.training.checkpoint import rank0_value
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
@@ -123,7 +123,7 @@ def test_time_based_decision_is_rank_zeros_on_every_rank(tmp_path):
 
 
 def test_rank0_value_single_process_is_the_value():
-    from dflash_ray.runtime.training.loop import rank0_value
+    from dflash_ray.runtime.training.checkpoint import rank0_value
 
     assert rank0_value(12.5, torch.device("cpu"), 1) == 12.5
 
@@ -218,11 +218,11 @@ def test_timed_upload_calls_rays_persist_then_reports_seconds(monkeypatch):
 
 
 # ----------------------------------------------------------------------------- the cost in the metrics
-def test_coordinator_records_checkpoint_cost(ray_session, tmp_path):
-    from dflash_ray.runtime.coordinator import RunCoordinator
+def test_the_record_keeps_checkpoint_cost(ray_session, tmp_path):
+    from dflash_ray.runtime.record.record import RunRecord
 
-    c = RunCoordinator(str(tmp_path), "ckpt", 4, 3)
-    c.begin_attempt(0, 2)
+    c = RunRecord(str(tmp_path), "ckpt", 3)
+    c.begin_attempt(0, 2, attempt=1, restarted=False)
 
     def commit(step, **extra):
         c.commit_step(c.gen, {"epoch": 0, "step": step, "positions": [step], "buckets": [0], "tokens": [1]},
@@ -257,7 +257,7 @@ def test_coordinator_records_checkpoint_cost(ray_session, tmp_path):
         "max_write_seconds": 2.0, "total_upload_seconds": 10.0, "max_upload_seconds": 7.0,
         "total_bytes": 4000, "max_bytes": 3000}
     # a step checkpointed again in a later attempt is a record of its own
-    c.begin_attempt(0, 2)
+    c.begin_attempt(0, 2, attempt=2, restarted=True)
     c.checkpoint_done(2, 1.0, attempt=2, upload="async", write_seconds=0.5, nbytes=1000)
     assert [(r["attempt"], r["step"]) for r in asyncio.run(c.report())["checkpoints"]] == [(1, 2), (1, 4), (2, 2)]
 

@@ -16,7 +16,7 @@ from helpers_multinode import Cluster
 
 from dflash_ray.runtime.training.checkpoint import latest_checkpoint, load_weights
 from dflash_ray.runtime.record.ledger import read_jsonl
-from dflash_ray.runtime.training.loop import TEST_FAULTS_ENV
+from dflash_ray.runtime.training.faults import TEST_FAULTS_ENV
 
 # CPU stand-ins for the multinode preset: 2 drafter workers (one per node) and 2 target actors (one per
 # node, on the custom resource), a storage path both nodes reach (a local directory here).

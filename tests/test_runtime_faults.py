@@ -26,21 +26,22 @@ import torch
 from helpers_cluster import RUNTIME_RUN, TrainRun, wait_for
 from dflash_ray.runtime.training.checkpoint import load_weights, read_state
 from dflash_ray.runtime.record.ledger import LEDGER, read_jsonl
-from dflash_ray.runtime.training.loop import TEST_FAULTS_ENV
+from dflash_ray.runtime.training.faults import TEST_FAULTS_ENV
 
 
-def coordinator(name):
+def run_record(name):
     import ray
 
+    from dflash_ray.runtime.record.record import record_actor_name
     from dflash_ray.runtime.spec import coordinator_name
 
     def get():
         try:
-            return ray.get_actor(coordinator_name(name), namespace="dflash")
+            return ray.get_actor(record_actor_name(coordinator_name(name)), namespace="dflash")
         except ValueError:
             return None
 
-    return wait_for(get, 180, "the run's coordinator")
+    return wait_for(get, 180, "the run's record")
 
 
 def step_of(coord):
@@ -59,7 +60,7 @@ def test_kills_then_resume_with_fewer_workers_match_uninterrupted(job_run, train
     killed = {}
 
     def inject(name):
-        coord = coordinator(name)
+        coord = run_record(name)
         wait_for(lambda: step_of(coord) >= 2, 300, "step 2")
         pid = next(iter(ray.get(coord.targets_pids.remote()).values()))
         os.kill(pid, signal.SIGKILL)                       # a target actor, mid-epoch

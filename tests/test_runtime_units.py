@@ -239,8 +239,7 @@ def test_flight_window_admits_in_order_and_blocks_beyond(ray_session, tmp_path):
 
     from dflash_ray.runtime.coordinator import RunCoordinator
 
-    coord = ray.remote(RunCoordinator).options(num_cpus=0, max_concurrency=100).remote(
-        str(tmp_path), "window", 3, 2)
+    coord = ray.remote(RunCoordinator).options(num_cpus=0, max_concurrency=100).remote("window", 3)
     gen = ray.get(coord.reset_feed.remote(10, {}, 2))
     assert ray.get([coord.admit.remote(gen, i) for i in range(3)]) == [True] * 3
     blocked = coord.admit.remote(gen, 3)
@@ -260,28 +259,23 @@ def test_flight_window_holds_a_step_two_rounds_and_the_report_slack(ray_session,
     """Blocks of 4 rows on 2 ranks, 2 rows a step: a block is admitted by its last row, so the window
     holds the step and two rounds (2 + 2 x 4 x 2 = 18 rows), plus one block's rows (4) that rank 0 may
     have trained without reporting them yet: 22, not the configured 3. One row a block: as configured,
-    reported every step. commit_steps writes several steps' lines and moves the window in one call."""
+    reported every step."""
     import ray
 
     from dflash_ray.runtime.coordinator import RunCoordinator
 
-    coord = ray.remote(RunCoordinator).options(num_cpus=0, max_concurrency=100).remote(
-        str(tmp_path), "blocks", 3, 2)
+    coord = ray.remote(RunCoordinator).options(num_cpus=0, max_concurrency=100).remote("blocks", 3)
     gen = ray.get(coord.reset_feed.remote(10, {}, 2, rows_per_block=4, world=2))
     assert ray.get(coord.feed_info.remote())["report_slack_rows"] == 4
     assert ray.get(coord.admit.remote(gen, 21), timeout=30) is True
     blocked = coord.admit.remote(gen, 22)
     ready, _ = ray.wait([blocked], timeout=1.0)
     assert not ready
-    ray.get(coord.begin_attempt.remote(0, 2))
-    commits = [({"epoch": 0, "step": k, "positions": [2 * k - 2, 2 * k - 1], "buckets": [0, 0], "tokens": [5, 5]},
-                {"step": k, "epoch": 0, "loss": 1.0, "tokens": 10, "time": 1000.0 + k}) for k in (1, 2)]
+    ray.get(coord.consumed_upto.remote(gen + 1, 4))                      # another stream's rows move nothing
     ready, _ = ray.wait([blocked], timeout=1.0)
     assert not ready
-    ray.get(coord.commit_steps.remote(gen, commits, 4))                  # rows 0..3 trained: 22 < 4 + 22
+    ray.get(coord.consumed_upto.remote(gen, 1))                          # row 0 trained: 22 < 1 + 22
     assert ray.get(blocked, timeout=30) is True
-    assert [r["step"] for r in read_jsonl(tmp_path / "ledger.jsonl")] == [1, 2]
-    assert [m["time"] for m in read_jsonl(tmp_path / "metrics.jsonl")] == [1001.0, 1002.0]   # when they ended
     assert ray.get(coord.report.remote())["window"] == 22
     gen = ray.get(coord.reset_feed.remote(10, {}, 2, rows_per_block=1, world=2))   # one row a block
     assert ray.get(coord.report.remote())["window"] == 3
@@ -290,7 +284,7 @@ def test_flight_window_holds_a_step_two_rounds_and_the_report_slack(ray_session,
 
 
 def test_rank0_reports_at_start_on_time_and_before_the_window_runs_short():
-    from dflash_ray.runtime.training.loop import COMMIT_INTERVAL_S, commit_due
+    from dflash_ray.runtime.record.client import COMMIT_INTERVAL_S, commit_due
 
     assert commit_due(0, 0.0, 2, 64)                        # the first step at once
     assert not commit_due(5, 0.01, 12, 64)                  # tiny steps: wait and send several
@@ -299,16 +293,29 @@ def test_rank0_reports_at_start_on_time_and_before_the_window_runs_short():
     assert commit_due(7, 0.0, 2, 0)                         # no slack (one row a block): every step
 
 
-def test_coordinator_writes_ledger_metrics_and_tensorboard(ray_session, tmp_path):
-    from dflash_ray.runtime.coordinator import RunCoordinator, last_metrics
+def test_the_record_writes_several_steps_in_one_call(ray_session, tmp_path):
+    from dflash_ray.runtime.record.record import RunRecord
 
-    c = RunCoordinator(str(tmp_path), "tb", 4, 3, tensorboard=True)
-    c.begin_attempt(0, 2)
+    c = RunRecord(str(tmp_path), "blocks", 2)
+    c.begin_attempt(0, 2, attempt=1, restarted=False)
+    commits = [({"epoch": 0, "step": k, "positions": [2 * k - 2, 2 * k - 1], "buckets": [0, 0], "tokens": [5, 5]},
+                {"step": k, "epoch": 0, "loss": 1.0, "tokens": 10, "time": 1000.0 + k}) for k in (1, 2)]
+    c.commit_steps(c.gen, commits)
+    assert [r["step"] for r in read_jsonl(tmp_path / "ledger.jsonl")] == [1, 2]
+    assert [m["time"] for m in read_jsonl(tmp_path / "metrics.jsonl")] == [1001.0, 1002.0]   # when they ended
+    assert [m["tokens_per_second"] for m in read_jsonl(tmp_path / "metrics.jsonl")] == [0.0, 10.0]   # 10 tokens in 1 s
+
+
+def test_the_record_writes_ledger_metrics_and_tensorboard(ray_session, tmp_path):
+    from dflash_ray.runtime.record.record import RunRecord, last_metrics
+
+    c = RunRecord(str(tmp_path), "tb", 3, trackers=["tensorboard"])
+    c.begin_attempt(0, 2, attempt=1, restarted=False)
     for step in (1, 2):
         c.commit_step(c.gen, {"epoch": 0, "step": step, "positions": [2 * step - 2, 2 * step - 1], "buckets": [0, 2],
                        "tokens": [10, 20]},
                       {"step": step, "epoch": 0, "loss": 3.0 / step, "tokens": 30, "lr": 1e-3, "grad_norm": 1.0})
-    c.begin_attempt(1, 2)                                   # a restart from the step-1 checkpoint
+    c.begin_attempt(1, 2, attempt=2, restarted=True)       # a restart from the step-1 checkpoint
     c.commit_step(c.gen, {"epoch": 0, "step": 2, "positions": [2, 3], "buckets": [0, 2], "tokens": [10, 20]},
                   {"step": 2, "epoch": 0, "loss": 1.4, "tokens": 30})
     # a late commit from the replaced group's stream is dropped, not appended to the new timeline
@@ -349,9 +356,9 @@ def test_check_resources_names_what_the_cluster_lacks(ray_session):
 def test_a_failed_heldout_evaluation_is_an_event_not_a_failed_run(ray_session, tmp_path):
     import ray
 
-    from dflash_ray.runtime.coordinator import RunCoordinator
+    from dflash_ray.runtime.record.record import RunRecord
 
-    coord = ray.remote(RunCoordinator).options(num_cpus=0, max_concurrency=100).remote(str(tmp_path), "ev", 3, 2)
+    coord = ray.remote(RunRecord).options(num_cpus=0, max_concurrency=100).remote(str(tmp_path), "ev", 2)
     broken = SimpleNamespace(target_path=str(tmp_path / "no-target"))         # the task raises
     ray.get(coord.evaluate_heldout.remote(broken, 10, [ray.put({})]), timeout=120)
     report = ray.get(coord.report.remote(), timeout=60)

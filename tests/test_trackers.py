@@ -178,14 +178,14 @@ def test_each_step_is_logged_once_across_a_restart_and_a_rerun(ray_session, tmp_
     """Steps 3-4 are trained again after a restart from the step-2 checkpoint (other values), then a rerun
     of the same run.name goes on to step 7: every tracker holds steps 1-7 once, with the first values,
     in one tracker run (MLflow: one run; W&B: one run id in every offline segment)."""
-    from dflash_ray.runtime.coordinator import RunCoordinator
+    from dflash_ray.runtime.record.record import RunRecord
 
     run = tmp_path / "r"
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     opts = {"project": "unit", "mlflow_tracking_uri": uri, "wandb_mode": "offline"}
-    c = RunCoordinator(str(run), "r", 4, 3, trackers=ALL, tracker_options=opts,
+    c = RunRecord(str(run), "r", 3, trackers=ALL, tracker_options=opts,
                        params={"train.lr": 0.001, "train.max_steps": 5, "plan.bucket_boundaries": "[32, 64]"})
-    c.begin_attempt(0, 2)
+    c.begin_attempt(0, 2, attempt=1, restarted=False)
     c.target_started("actor-a", 1, "node")
     for step in range(1, 5):
         c.target_batch("actor-a", 0.01, 100, 1)
@@ -194,13 +194,13 @@ def test_each_step_is_logged_once_across_a_restart_and_a_rerun(ray_session, tmp_
             c.checkpoint_done(2, 0.75, attempt=1, upload="async", write_seconds=0.5, nbytes=10)
     for st, tau in ((4, 2.5), (2, 1.75)):     # two held-out evaluations end between two steps, out of order
         c.trackers.log_eval(st, {"heldout/tau": tau})
-    c.begin_attempt(2, 2)                                          # restart: steps 3, 4 again
+    c.begin_attempt(2, 2, attempt=2, restarted=True)               # restart: steps 3, 4 again
     for step in range(3, 6):
         commit(c, step, 100.0 + step, buckets=(1, -1))
     c.close()
-    c2 = RunCoordinator(str(run), "r", 4, 3, trackers=ALL, tracker_options=opts,
+    c2 = RunRecord(str(run), "r", 3, trackers=ALL, tracker_options=opts,
                         params={"train.lr": 0.001, "train.max_steps": 7, "plan.bucket_boundaries": "[32, 64]"})
-    c2.begin_attempt(5, 2)
+    c2.begin_attempt(5, 2, attempt=1, restarted=False)
     for step in (6, 7):
         commit(c2, step, 10.0 - step)
     c2.close()

@@ -1,5 +1,5 @@
 """The driver's progress display: a tqdm bar on a terminal, a line every few seconds in logs (where a
-redrawn bar would be noise). Polls the run's coordinator; never blocks training."""
+redrawn bar would be noise). Polls the run record; never blocks training."""
 from __future__ import annotations
 
 import sys
@@ -10,8 +10,8 @@ import time
 class Progress:
     """The driver's progress bar: step/total, tokens/s, loss, ETA (tqdm), failures survived."""
 
-    def __init__(self, coord, enabled: bool = True):
-        self.coord, self.enabled = coord, enabled
+    def __init__(self, record, enabled: bool = True):
+        self.record, self.enabled = record, enabled
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.t0, self.s0 = None, 0
@@ -33,7 +33,7 @@ class Progress:
         tty = sys.stderr.isatty()
         while not self.stop.is_set():
             try:
-                p = ray.get(self.coord.progress.remote(), timeout=10)
+                p = ray.get(self.record.progress.remote(), timeout=10)
             except Exception:
                 break
             if p["total_steps"]:
@@ -45,7 +45,7 @@ class Progress:
             self.stop.wait(1.0)
         # the run's end: its last step, which the last poll may have missed (a log then ended one short)
         try:
-            p = ray.get(self.coord.progress.remote(), timeout=10)
+            p = ray.get(self.record.progress.remote(), timeout=10)
         except Exception:
             p = None
         if bar is not None:

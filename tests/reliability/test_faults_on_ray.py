@@ -28,7 +28,7 @@ import torch
 from dflash_ray.errors import UserError
 from dflash_ray.runtime.training.checkpoint import latest_checkpoint, load_weights, read_snapshot, read_state
 from dflash_ray.runtime.record.ledger import LEDGER, read_jsonl
-from dflash_ray.runtime.training.loop import TEST_FAULTS_ENV
+from dflash_ray.runtime.training.faults import TEST_FAULTS_ENV
 from helpers_cluster import own_processes, wait_for
 
 BASE = ["train.epochs=2", "train.checkpoint_every=2", "train.num_to_keep=10"]

@@ -12,6 +12,7 @@ plots, the summary and the tests read a run through this.
       export/             the drafter of the latest checkpoint, Hugging Face format (training/checkpoint.py)
       summary.json        the run's summary (summary.py)
       plots/              `dflash-ray plot`'s PNGs (plots.py)
+      trackers.json       each tracker's run id, so a resumed run logs into the same tracker run (trackers.py)
       tensorboard/, wandb/  the trackers' own files (trackers.py)
       ray_train/          Ray Train's storage (checkpoints) unless train.storage_path is set
     the demo world (with no data.input; demo/world.py):
@@ -34,6 +35,7 @@ SUMMARY = "summary.json"
 PLOTS = "plots"
 TENSORBOARD = "tensorboard"
 WANDB = "wandb"
+TRACKERS = "trackers.json"
 RAY_TRAIN = "ray_train"
 # the demo world's inputs
 CORPUS = "corpus.jsonl"

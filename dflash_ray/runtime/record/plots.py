@@ -18,16 +18,18 @@ def plot_run(run_dir, out_dir=None) -> list[Path]:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    from dflash_ray.runtime.coordinator import EVALS, METRICS, last_metrics
-    from dflash_ray.runtime.record.ledger import LEDGER, read_jsonl
+    from dflash_ray.runtime.record.layout import RunLayout
+    from dflash_ray.runtime.record.ledger import read_jsonl
+    from dflash_ray.runtime.record.record import last_metrics
 
     run_dir = Path(run_dir)
+    files = RunLayout(run_dir)
     if not run_dir.is_dir():
         raise UserError(f"{run_dir}: run directory does not exist")
     metrics = last_metrics(run_dir)
     if not metrics:
-        raise UserError(f"{run_dir / METRICS}: no metrics (has this run trained a step?)")
-    out = Path(out_dir) if out_dir else run_dir / "plots"
+        raise UserError(f"{files.metrics}: no metrics (has this run trained a step?)")
+    out = Path(out_dir) if out_dir else files.plots
     out.mkdir(parents=True, exist_ok=True)
     steps = np.array([m["step"] for m in metrics])
     paths = []
@@ -41,7 +43,7 @@ def plot_run(run_dir, out_dir=None) -> list[Path]:
         ax2 = ax.twinx()
         ax2.plot(steps, [np.nan if a is None else a for a in tau], color="tab:green", alpha=0.7,
                  label="tau on training blocks (measured)")
-        evals = read_jsonl(run_dir / EVALS)
+        evals = read_jsonl(files.evals)
         if evals:
             ax2.plot([e["step"] for e in evals], [e["tau"] for e in evals], "o-", color="tab:red",
                      label="held-out tau (speculative decoding)")
@@ -66,7 +68,7 @@ def plot_run(run_dir, out_dir=None) -> list[Path]:
     fig.savefig(paths[-1], dpi=100)
     plt.close(fig)
 
-    ledger = read_jsonl(run_dir / LEDGER)
+    ledger = read_jsonl(files.ledger)
     if ledger:
         width = max(len(r["buckets"]) for r in ledger)
         strip = np.full((width, len(ledger)), np.nan)

@@ -1,4 +1,4 @@
-"""summary.json: what a run did, from the files it left (ledger, metrics) and the coordinator's report.
+"""summary.json: what a run did, from the files it left (ledger, metrics) and the run record's report.
 
 The ledger check takes the finished epochs from the latest checkpoint's cursor: every epoch before the
 cursor's was trained to its end, so the ledger must cover each of them exactly once (even an epoch the
@@ -8,18 +8,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict
-from pathlib import Path
 
 import numpy as np
 
 from dflash_ray.runtime.training.checkpoint import latest_checkpoint
-from dflash_ray.runtime.coordinator import last_metrics
-from dflash_ray.runtime.record.ledger import LEDGER, read_jsonl, verify_ledger
+from dflash_ray.runtime.record.record import last_metrics
+from dflash_ray.runtime.record.layout import RunLayout
+from dflash_ray.runtime.record.ledger import read_jsonl, verify_ledger
 
 
 def build_summary(run_spec, plan_summary: dict, report: dict, *, started: float, wall_seconds: float) -> dict:
     metrics = last_metrics(run_spec.run_dir)
-    ledger = read_jsonl(Path(run_spec.run_dir) / LEDGER)
+    files = RunLayout(run_spec.run_dir)
+    ledger = read_jsonl(files.ledger)
     cursor, checkpoint = latest_checkpoint(run_spec.experiment_dir)
     finished = list(range(cursor.epoch))
     epochs = sorted({int(r["epoch"]) for r in ledger} | set(finished))
@@ -66,7 +67,7 @@ def build_summary(run_spec, plan_summary: dict, report: dict, *, started: float,
         "model": asdict(run_spec.drafter),
         "target_path": run_spec.target_path, "use_gpu": c.use_gpu,
         "checkpoint": checkpoint, "ledger": check,
-        "export": str(Path(run_spec.run_dir) / "export"),
+        "export": str(files.export),
     }
 
 
@@ -75,7 +76,7 @@ def _best(run_spec, evals: list) -> dict | None:
     if not evals:
         return None
     top = max(evals, key=lambda e: e["tau"])
-    return {"step": top["step"], "tau": top["tau"], "dir": str(Path(run_spec.run_dir) / "best")}
+    return {"step": top["step"], "tau": top["tau"], "dir": str(RunLayout(run_spec.run_dir).best)}
 
 
 def measured_rates(targets: dict, metrics: list, drafter_workers: int) -> dict:

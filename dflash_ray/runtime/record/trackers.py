@@ -28,9 +28,10 @@ from dataclasses import asdict, is_dataclass
 from pathlib import Path
 
 from dflash_ray.errors import UserError
+from dflash_ray.runtime.record.layout import TRACKERS as STATE   # the trackers' run ids, for a resumed run
+from dflash_ray.runtime.record.layout import RunLayout
 
 KNOWN = ("tensorboard", "mlflow", "wandb")
-STATE = "trackers.json"
 # what each tracker imports, and the extra that installs it
 NEEDS = {"tensorboard": (("tensorboardX",), "tensorboard"), "mlflow": (("mlflow", "sqlalchemy", "alembic"), "mlflow"),
          "wandb": (("wandb",), "wandb")}
@@ -151,7 +152,7 @@ class TensorBoard:
     name = "tensorboard"
 
     def __init__(self, run_dir: str, run_name: str, opts: dict):
-        self.dir = Path(run_dir) / "tensorboard"
+        self.dir = RunLayout(run_dir).tensorboard
         self.w = None
 
     def start(self, params: dict, state: dict | None) -> dict:
@@ -307,7 +308,7 @@ class WandB:
             for k in keys:
                 self.run.define_metric(k, step_metric=axis)
         return {"run_id": run_id, "project": self.opts["project"], "mode": mode, "row": self.row,
-                "dir": str(Path(self.run_dir) / "wandb")}
+                "dir": str(RunLayout(self.run_dir).wandb)}
 
     def _row(self, data: dict) -> None:
         self.row += 1

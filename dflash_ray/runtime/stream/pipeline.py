@@ -172,7 +172,7 @@ class TargetForward:
     """One per target GPU (a custom resource stands in on the CPU): the frozen target's tapped-layer
     features for each batch. Ray restarts a killed actor (Ray Data retries its batch on a live one)."""
 
-    def __init__(self, target_path: str, layer_ids: list, use_gpu: bool, coordinator: str, namespace: str,
+    def __init__(self, target_path: str, layer_ids: list, use_gpu: bool, record: str, namespace: str,
                  threads: int = 1, gpu_share: float = 1.0):
         import ray
         import torch
@@ -189,8 +189,8 @@ class TargetForward:
         # only the embedding and layers 0..max(tap): later layers and the LM head are never loaded
         self.extract = load_feature_extractor(target_path, list(layer_ids), device=self.device)
         self.key = ray.get_runtime_context().get_actor_id()[:12]
-        self.coord = ray.get_actor(coordinator, namespace=namespace)
-        ray.get(self.coord.target_started.remote(self.key, os.getpid(), ray.get_runtime_context().get_node_id()))
+        self.record = ray.get_actor(record, namespace=namespace)   # the run record counts what we compute
+        ray.get(self.record.target_started.remote(self.key, os.getpid(), ray.get_runtime_context().get_node_id()))
 
     def __call__(self, batch: dict) -> dict:
         """A block of plan batches (see rows.stack_rows): each one's features, one report for the block."""
@@ -207,7 +207,7 @@ class TargetForward:
             dtypes.append(dtype)
             report.append((time.perf_counter() - t0, int(batch["num_tokens"][i]), int(batch["bucket"][i]),
                            int(batch["index"][i]), int(feats.nbytes)))
-        self.coord.target_batches.remote(self.key, report)
+        self.record.target_batches.remote(self.key, report)
         batch["context"] = contexts
         batch["context_dtype"] = np.array(dtypes)
         return batch
@@ -224,7 +224,7 @@ class DatasetFactory:
     that computed them; the global plan, each rank's rows and the ledger are unchanged. The target actors
     are shared out in proportion to each node's ranks, within what the node can host; when a node with
     trainers can host none, the run falls back to one stream of all rows over actors anywhere (features
-    then cross nodes; the coordinator counts those bytes)."""
+    then cross nodes; the run record counts those bytes)."""
 
     def __init__(self, run_spec, tokens_ref, experiment_dir: str):
         self.run_spec = run_spec
@@ -263,13 +263,16 @@ class DatasetFactory:
             raise RuntimeError(f"no node can host a target actor now (cluster.target_workers="
                                f"{s.cluster.target_workers}): nodes {resources}")
         feed = self.feed()
+        from dflash_ray.runtime.record.record import record_actor_name
+
         coord = ray.get_actor(s.coordinator, namespace=s.namespace)
         placement = [{"node": node, "ranks": list(ranks), "target_actors": k} for (node, ranks), k in zip(groups, shares)]
         per_block = rows_per_block(feed.table.column("lengths"), stream_bytes_per_token(s),
                                    block_budget_mb(float(getattr(s.cluster, "stream_block_mb", 0) or 0), resources))
         gen = ray.get(coord.reset_feed.remote(feed.total_steps, feed.cursor.as_dict(), s.batches_per_step,
-                                             feed.schedule_steps, list(worker_node_ids or []), placement,
-                                             rows_per_block=per_block, world=world_size))
+                                             feed.schedule_steps, rows_per_block=per_block, world=world_size))
+        record = ray.get_actor(record_actor_name(s.coordinator), namespace=s.namespace)
+        ray.get(record.new_stream.remote(gen, feed.total_steps, list(worker_node_ids or []), placement))
         feed_ref = ray.put(feed.table)
         out = [None] * world_size
         for (node, ranks), k in zip(groups, shares):
@@ -286,6 +289,8 @@ class DatasetFactory:
         import ray
         from ray.data import ActorPoolStrategy
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        from dflash_ray.runtime.record.record import record_actor_name
 
         s, c = self.run_spec, self.run_spec.cluster
         per_rank = num_rows // world   # the feed gives every rank the same number of rows
@@ -307,7 +312,7 @@ class DatasetFactory:
         return ds.map_batches(   # batch_size None: a block is one call (never merged with the next)
             TargetForward, batch_size=None, compute=ActorPoolStrategy(size=target_actors),
             fn_constructor_kwargs=dict(target_path=s.target_path, layer_ids=list(s.drafter.target_layer_ids),
-                                       use_gpu=c.use_gpu, coordinator=s.coordinator, namespace=s.namespace,
+                                       use_gpu=c.use_gpu, record=record_actor_name(s.coordinator), namespace=s.namespace,
                                        gpu_share=c.target_gpus),
             **res, **pin)
 

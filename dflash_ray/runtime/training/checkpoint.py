@@ -383,6 +383,70 @@ def save_checkpoint(*, rank: int, world_size: int, drafter, optimizer, scheduler
     return cost
 
 
+def rank0_value(value: float, device, world_size: int) -> float:
+    """Rank 0's `value` on every rank (one float broadcast; on the model's device, as NCCL needs): a
+    decision taken from it is the same on every rank."""
+    if world_size <= 1:
+        return float(value)
+    import torch.distributed as dist
+
+    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    dist.broadcast(t, src=0)
+    return float(t.item())
+
+
+class CheckpointManager:
+    """A worker's checkpoints: restore at its start, decide when (the same answer on every rank, from
+    rank 0's clock), save (write, hand to Ray Train, upload sync or async) and tell the run record what
+    each cost. The driver's side (the latest registered checkpoint, the sweep of unregistered ones, the
+    export) is the functions of this module."""
+
+    def __init__(self, train, *, rank: int, world_size: int, device, record, faults: dict | None = None):
+        self.train, self.rank, self.world, self.device = train, rank, world_size, device
+        self.record, self.faults = record, faults or {}
+        self.t_last = time.perf_counter()
+
+    def restore(self, drafter, optimizer, scheduler) -> tuple[Cursor, int]:
+        """The cursor and the non-finite streak of the checkpoint Ray Train hands this worker group (the
+        weights, optimizer, scheduler and this rank's RNG restored); (Cursor(), 0) at a run's start."""
+        import ray.train
+
+        ckpt = ray.train.get_checkpoint()
+        if ckpt is None:
+            return Cursor(), 0
+        with ckpt.as_directory() as d:
+            cursor = load_checkpoint(Path(d), drafter=drafter, optimizer=optimizer, scheduler=scheduler,
+                                     rank=self.rank)
+            return cursor, int(read_state(Path(d)).get("nonfinite_streak", 0))
+
+    def due(self, step: int, *, last_step: bool, end_of_epoch: bool) -> bool:
+        since = time.perf_counter() - self.t_last
+        if self.train.checkpoint_every_minutes:   # every rank decides from rank 0's clock (a broadcast)
+            since = rank0_value(since, self.device, self.world)
+        return checkpoint_due(step, self.train.checkpoint_every, self.train.checkpoint_every_minutes, since,
+                              last_step=last_step, end_of_epoch=end_of_epoch)
+
+    def save(self, step: int, cursor: Cursor, *, drafter, optimizer, scheduler, loss: float, consumed: int,
+             extra: dict) -> None:
+        """Every rank, at the same step. The step's ledger lines are on disk before the checkpoint can be
+        registered; the step's metrics line says what the write cost; the upload's seconds go on a later one."""
+        from dflash_ray.runtime.training.faults import checkpoint_pause
+
+        record, upload = self.record, self.train.checkpoint_upload
+        record.release(consumed)
+        t0 = time.perf_counter()
+        pause, where = checkpoint_pause(self.faults, step, self.rank, record)
+        cost = save_checkpoint(
+            rank=self.rank, world_size=self.world, drafter=drafter, optimizer=optimizer, scheduler=scheduler,
+            cursor=cursor, metrics={"step": step, "loss": loss}, upload=upload, extra=extra,
+            before_register=lambda cost: record.flush(consumed, {**cost, "checkpoint_upload": upload}, wait=True),
+            on_uploaded=lambda seconds: record.checkpoint_uploaded(step, seconds),
+            fault_pause=pause, fault_pause_where=where)
+        self.t_last = time.perf_counter()
+        # what training waited: the write, the ledger, the barrier, and the upload unless it is async
+        record.checkpoint_done(step, self.t_last - t0, upload, cost)
+
+
 def export_latest(run_spec, dtype: str = "target") -> tuple[str, str] | None:
     """Write the drafter of the run's latest checkpoint (local or remote storage) to <run.dir>/export, as
     a Hugging Face directory the reference `dflash` package loads, in the target's dtype unless `dtype`
@@ -390,6 +454,7 @@ def export_latest(run_spec, dtype: str = "target") -> tuple[str, str] | None:
     file). Returns (checkpoint, export dir), or None when the run has no checkpoint."""
     from dflash_ray.model.export import export_drafter
     from dflash_ray.model.target import target_dtype
+    from dflash_ray.runtime.record.layout import RunLayout
     from dflash_ray.runtime.training.step import build_run_drafter
 
     _, checkpoint = latest_checkpoint(run_spec.experiment_dir)
@@ -400,4 +465,4 @@ def export_latest(run_spec, dtype: str = "target") -> tuple[str, str] | None:
         drafter = build_run_drafter(run_spec, torch.device("cpu"))
         drafter.load_state_dict(load_weights(d), strict=True)
     out_dtype = target_dtype(run_spec.target_path) if dtype == "target" else getattr(torch, dtype)
-    return checkpoint, export_drafter(drafter, str(Path(run_spec.run_dir) / "export"), dtype=out_dtype)
+    return checkpoint, export_drafter(drafter, str(RunLayout(run_spec.run_dir).export), dtype=out_dtype)

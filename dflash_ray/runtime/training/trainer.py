@@ -1,11 +1,11 @@
 """The TorchTrainer of a run: the Ray Data stream as its dataset, the worker loop, the scaling, storage,
-checkpoint and failure policies. `fit` trains (or resumes) and returns what the coordinator saw.
+checkpoint and failure policies. `fit` trains (or resumes) and returns what the run record saw.
 
 A run that cannot go on ends here with one line (a UserError: the CLI prints it, exit code 2) that says
 why and where the next invocation of the same run.name resumes from: more worker-group failures than
 train.max_failures (Ray Train's `TrainingFailedError`, its last failure named: a storage error, a dead
 worker, an exception), or train.max_nonfinite_steps non-finite steps in a row (the workers stop together
-and tell the coordinator). The original error stays chained (`--debug` shows its traceback)."""
+and tell the run record). The original error stays chained (`--debug` shows its traceback)."""
 from __future__ import annotations
 
 import dataclasses
@@ -18,7 +18,7 @@ from dflash_ray.errors import UserError
 
 @dataclass
 class FitOutcome:
-    report: dict          # the coordinator's report: restarts, target actors, checkpoints, timeline
+    report: dict          # the run record's and the coordinator's reports: restarts, target actors, checkpoints, timeline
     started: float        # time.time() when this invocation started training
     wall_seconds: float
 
@@ -43,8 +43,9 @@ def fit(run_spec, num_buckets: int, *, progress: bool = True) -> FitOutcome:
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from dflash_ray.runtime.training.checkpoint import remove_unregistered_checkpoints
-    from dflash_ray.runtime.cluster import start_coordinator
-    from dflash_ray.runtime.training.loop import faults_for_tests, train_loop_per_worker
+    from dflash_ray.runtime.cluster import start_run_actors
+    from dflash_ray.runtime.training.faults import faults_for_tests
+    from dflash_ray.runtime.training.loop import train_loop_per_worker
     from dflash_ray.runtime.stream.node_local import NodeLocalDataConfig
     from dflash_ray.runtime.stream.pipeline import DatasetFactory
     from dflash_ray.runtime.stream.token_store import build_token_store
@@ -55,14 +56,14 @@ def fit(run_spec, num_buckets: int, *, progress: bool = True) -> FitOutcome:
     if int(getattr(t, "max_nonfinite_steps", 0) or 0) < 0:
         raise UserError(f"config key 'train.max_nonfinite_steps': must be >= 0 (0: never stop), got "
                         f"{t.max_nonfinite_steps}")
-    coord = start_coordinator(run_spec, num_buckets)
+    coord, record = start_run_actors(run_spec, num_buckets)
     t0 = time.time()
     try:   # a previous driver's never-registered checkpoints: whole checkpoints' bytes nothing will read
         removed, error = remove_unregistered_checkpoints(run_spec.experiment_dir), None
     except OSError as e:  # storage trouble shows (with its own line) when the run next writes there
         removed, error = [], str(e)
     if removed or error:
-        ray.get(coord.checkpoints_removed.remote(removed, error))
+        ray.get(record.checkpoints_removed.remote(removed, error))
     store, store_info = build_token_store(run_spec.shards, run_spec.vocab_size, block_mb=c.token_block_mb,
                                           cache_mb=c.token_cache_mb)
     tokens_ref = ray.put(store)
@@ -91,20 +92,22 @@ def fit(run_spec, num_buckets: int, *, progress: bool = True) -> FitOutcome:
 
     failure = result = None
     try:
-        with Progress(coord, enabled=progress):
-            for spec in stream_windows(run_spec, coord):
+        with Progress(record, enabled=progress):
+            for spec in stream_windows(run_spec, coord, record):
                 try:
                     result = trainer_for(spec).fit()
                 except TrainingFailedError as e:  # Ray Train gave up: after train.max_failures restarts
                     failure = e
                     break
-                if result.error is not None or ray.get(coord.report_stopped.remote()):
+                if result.error is not None or ray.get(record.report_stopped.remote()):
                     break
-        report = ray.get(coord.report.remote())
-        report["token_store"] = store_info.as_dict()
-        ray.get(coord.close.remote())
+        report, flight = ray.get([record.report.remote(), coord.report.remote()])
+        report = {**report, **flight, "timeline": {**report["timeline"], **flight["timeline"]},
+                  "token_store": store_info.as_dict()}
+        ray.get(record.close.remote())
     finally:
-        ray.kill(coord)  # the name is free for a rerun of this run from this process
+        ray.kill(coord)  # the names are free for a rerun of this run from this process
+        ray.kill(record)
     if failure is None and result.error is not None:
         failure = result.error
     if failure is not None:
@@ -114,7 +117,7 @@ def fit(run_spec, num_buckets: int, *, progress: bool = True) -> FitOutcome:
     return FitOutcome(report=report, started=t0, wall_seconds=time.time() - t0)
 
 
-def stream_windows(run_spec, coord):
+def stream_windows(run_spec, coord, record):
     """The run as a series of Ray Train fits of at most `train.stream_window_rows` feed rows each (0: one fit
     for the whole run). Ray Data keeps per-block state for a whole stream (its split coordinator grows ~25 KB
     a row: benchmarks/bench_load.py), so a stream over the 280K rows of a long run would hold gigabytes; a
@@ -129,7 +132,7 @@ def stream_windows(run_spec, coord):
 
     rows = int(getattr(run_spec.train, "stream_window_rows", 0) or 0)
     run_end = DatasetFactory(run_spec, None, run_spec.experiment_dir).feed().total_steps
-    ray.get(coord.begin_window.remote(run_end))
+    ray.get([coord.begin_window.remote(), record.set_run_total_steps.remote(run_end)])
     if rows <= 0:
         yield run_spec
         return
@@ -142,7 +145,7 @@ def stream_windows(run_spec, coord):
         start = now
         end = min(run_end, start + per_window)
         if not first:
-            ray.get(coord.begin_window.remote(run_end))
+            ray.get(coord.begin_window.remote())
         first = False
         yield dataclasses.replace(run_spec, train=dataclasses.replace(run_spec.train, max_steps=end))
         if end >= run_end:
