@@ -39,7 +39,7 @@ def plain_setup(run_spec, steps: int):
     from dflash_ray.data.shards import read_all
     from dflash_ray.model.target import load_feature_extractor
     from dflash_ray.runtime.stream.feed import Cursor, build_feed
-    from dflash_ray.runtime.training.step import LossModule, build_run_drafter, make_optimizer
+    from dflash_ray.runtime.training.model import LossModule, build_run_drafter, make_optimizer
     from dflash_ray.runtime.stream.token_store import TokenStore
 
     feed = build_feed(run_spec.build_plan, Cursor(), run_spec.batches_per_step, run_spec.train.epochs, steps)
@@ -108,6 +108,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     from dflash_ray.config import compose_config
+    from dflash_ray.demo.world import make_demo_inputs, make_missing_inputs
     from dflash_ray.sizing.capacity import best_split
     from dflash_ray.runtime.spec import resolve_spec
     from dflash_ray.train import main_job
@@ -116,7 +117,10 @@ def main(argv=None) -> int:
     base = [f"run.root={root}", "run.name=bench", f"train.max_steps={args.steps}",
             f"train.checkpoint_every={args.steps}", *args.overrides]
     quiet = lambda *a, **k: None  # noqa: E731
-    run_spec = resolve_spec(compose_config(base), log=quiet)
+    cfg = compose_config(base)
+    make_demo_inputs(cfg, log=quiet)
+    make_missing_inputs(cfg, log=quiet)
+    run_spec = resolve_spec(cfg, log=quiet)
     plain = plain_loop(run_spec, args.steps, args.threads)
     print(f"plain single-process loop: {plain['tokens_per_second']:.0f} tokens/s "
           f"({plain['steps']} steps, {plain['threads']} threads)", flush=True)

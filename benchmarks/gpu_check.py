@@ -54,7 +54,8 @@ def check_collective(device) -> dict:
     import torch.distributed as dist
 
     from dflash_ray.runtime.stream.rows import TrainRow, encode_features, token_row
-    from dflash_ray.runtime.training.step import LossModule, make_optimizer, train_step
+    from dflash_ray.runtime.training.model import LossModule, make_optimizer
+    from dflash_ray.runtime.training.step import train_step
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -112,7 +113,7 @@ def check_checkpoint(device) -> dict:
 
     from dflash_ray.runtime.training.checkpoint import load_checkpoint, write_checkpoint
     from dflash_ray.runtime.stream.feed import Cursor
-    from dflash_ray.runtime.training.step import lr_lambda
+    from dflash_ray.runtime.training.model import lr_lambda
 
     def fresh():
         d = tiny_drafter(device)

@@ -130,7 +130,7 @@ def test_rank0_value_single_process_is_the_value():
 
 # ----------------------------------------------------------------------------- handing it to Ray Train
 def _model():
-    from dflash_ray.runtime.training.step import lr_lambda
+    from dflash_ray.runtime.training.model import lr_lambda
 
     model = torch.nn.Linear(4, 3)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

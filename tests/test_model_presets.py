@@ -282,7 +282,7 @@ def _run_spec(target_dir, cfg, init_from, seed=11):
 
 
 def test_warm_start_gives_the_export_weights(knob_export, family_dirs):
-    from dflash_ray.runtime.training.step import build_run_drafter
+    from dflash_ray.runtime.training.model import build_run_drafter
 
     cfg = DrafterConfig(num_draft_layers=2, block_size=BLOCK, num_anchors=6, mask_token_id=MASK,
                         intermediate_size=40, num_attention_heads=2, num_key_value_heads=1)
@@ -314,7 +314,7 @@ def test_warm_start_keeps_the_runs_dtype(knob_export, tmp_path):
     (dict(intermediate_size=48), "intermediate_size 40 != 48"),
 ])
 def test_a_mismatching_export_is_refused_in_one_line(knob_export, family_dirs, change, field):
-    from dflash_ray.runtime.training.step import build_run_drafter
+    from dflash_ray.runtime.training.model import build_run_drafter
 
     base = dict(num_draft_layers=2, block_size=BLOCK, num_anchors=6, mask_token_id=MASK, intermediate_size=40,
                 num_attention_heads=2, num_key_value_heads=1)

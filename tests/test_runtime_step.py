@@ -17,7 +17,8 @@ import torch
 from dflash_ray.model.drafter import DrafterConfig
 from dflash_ray.model.target import build_synthetic_target, load_target
 from dflash_ray.runtime.stream.rows import FILLER, TrainRow, decode_features, encode_features, token_row
-from dflash_ray.runtime.training.step import LossModule, StepStats, batch_seed, train_step
+from dflash_ray.runtime.training.model import LossModule
+from dflash_ray.runtime.training.step import StepStats, batch_seed, train_step
 from helpers_model import TINY_QWEN3, tiny_step_drafter
 
 VOCAB, MASK, BLOCK = 300, 299, 4
@@ -167,7 +168,7 @@ def test_run_drafter_is_the_seeded_drafter_on_its_device(tmp_path, tied):
     from types import SimpleNamespace
 
     from dflash_ray.model.drafter import DFlashDrafter, drafter_config
-    from dflash_ray.runtime.training.step import build_run_drafter
+    from dflash_ray.runtime.training.model import build_run_drafter
 
     target_dir = build_synthetic_target({**TINY_QWEN3, "num_hidden_layers": 4, "tie_word_embeddings": tied},
                                         VOCAB, str(tmp_path / "target"), seed=4)

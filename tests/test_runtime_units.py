@@ -15,7 +15,7 @@ from dflash_ray.data.plan import PlanSpec, build_plan
 from dflash_ray.sizing.capacity import best_split, capacity_report
 from dflash_ray.runtime.stream.feed import FILLER, Cursor, build_feed, cursor_after, rank_rows
 from dflash_ray.runtime.record.ledger import read_jsonl, rewrite_jsonl, rollback, verify_ledger
-from dflash_ray.runtime.training.step import lr_lambda
+from dflash_ray.runtime.training.model import lr_lambda
 
 
 def _plans(num_samples=300, seed=0):

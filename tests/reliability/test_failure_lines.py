@@ -72,7 +72,7 @@ def test_a_full_local_temporary_directory_names_it(spec, tmpfs, tmp_path):
     from dflash_ray.config import TrainConfig
     from dflash_ray.runtime.training.checkpoint import write_checkpoint
     from dflash_ray.runtime.stream.feed import Cursor
-    from dflash_ray.runtime.training.step import make_optimizer
+    from dflash_ray.runtime.training.model import make_optimizer
 
     drafter, _ = tiny_step_drafter(tmp_path / "model")
     opt, sched = make_optimizer(TrainConfig(), drafter, 10)

@@ -14,7 +14,8 @@ from helpers_model import tiny_step_drafter
 
 from dflash_ray.config import TrainConfig
 from dflash_ray.runtime.stream.rows import FILLER, TrainRow, encode_features, token_row
-from dflash_ray.runtime.training.step import LossModule, make_optimizer, train_step
+from dflash_ray.runtime.training.model import LossModule, make_optimizer
+from dflash_ray.runtime.training.step import train_step
 
 VOCAB, MASK, BLOCK = 300, 299, 4
 

@@ -17,7 +17,6 @@ import json
 from collections import Counter
 from pathlib import Path
 
-from dflash_ray.errors import UserError
 
 
 class RegenerateActor:

@@ -26,7 +26,7 @@ def heldout_tau_of_weights(run_spec, weights: dict, out_dir: str) -> dict:
     import torch
 
     from dflash_ray.model.export import export_drafter
-    from dflash_ray.runtime.training.step import build_run_drafter
+    from dflash_ray.runtime.training.model import build_run_drafter
 
     torch.set_num_threads(1)
     drafter = build_run_drafter(run_spec, torch.device("cpu"))
@@ -43,7 +43,7 @@ def initial_and_trained_tau(run_spec, export_dir: str) -> dict:
     import torch
 
     from dflash_ray.model.export import export_drafter
-    from dflash_ray.runtime.training.step import build_run_drafter
+    from dflash_ray.runtime.training.model import build_run_drafter
 
     with tempfile.TemporaryDirectory(prefix="dflash-initial-") as initial:
         export_drafter(build_run_drafter(run_spec, torch.device("cpu")), initial)

@@ -455,7 +455,7 @@ def export_latest(run_spec, dtype: str = "target") -> tuple[str, str] | None:
     from dflash_ray.model.export import export_drafter
     from dflash_ray.model.target import target_dtype
     from dflash_ray.runtime.record.layout import RunLayout
-    from dflash_ray.runtime.training.step import build_run_drafter
+    from dflash_ray.runtime.training.model import build_run_drafter
 
     _, checkpoint = latest_checkpoint(run_spec.experiment_dir)
     if checkpoint is None:

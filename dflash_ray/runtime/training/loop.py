@@ -20,11 +20,11 @@ import time
 
 import numpy as np
 import torch
-from torch import nn
 
 from dflash_ray.runtime.stream.feed import Cursor, cursor_after, rank_rows
 from dflash_ray.runtime.stream.rows import TrainRow, train_rows
-from dflash_ray.runtime.training.step import LossModule, build_run_drafter, make_optimizer, train_step
+from dflash_ray.runtime.training.model import build_model
+from dflash_ray.runtime.training.step import train_step
 
 
 class Prefetcher:
@@ -79,21 +79,6 @@ def worker_device(cluster, threads: int) -> torch.device:
     torch.cuda.set_device(device)
     cap_gpu_memory(cluster.drafter_gpus)
     return device
-
-
-def build_model(run_spec, device, world_size: int, schedule_steps: int):
-    """The drafter, its loss module (DDP-wrapped across workers), the optimizer and the LR schedule."""
-    drafter = build_run_drafter(run_spec, device)
-    if device.type == "cuda" and run_spec.train.compile:
-        drafter.compile_layers()  # GPU only (not run here yet: benchmarks/gpu_check.sh times the same call)
-    model = LossModule(drafter)
-    if world_size > 1:
-        # gradient_as_bucket_view: the gradients live in DDP's all-reduce buckets (no second copy of them)
-        model = nn.parallel.DistributedDataParallel(
-            model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False,
-            gradient_as_bucket_view=True)
-    opt, sched = make_optimizer(run_spec.train, drafter, schedule_steps)
-    return drafter, model, opt, sched
 
 
 def train_loop_per_worker(config: dict) -> None:

@@ -1,0 +1,85 @@
+"""The run's drafter as training holds it: built from the run spec (the target's frozen embedding and head,
+a warm start from an export), the loss module DDP wraps, and the optimizer with its LR schedule. No Ray."""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+
+def lr_lambda(total_steps: int, warmup_ratio: float):
+    """Linear warmup over warmup_ratio of the steps, then cosine decay to zero."""
+    warm = max(1, round(warmup_ratio * total_steps)) if warmup_ratio > 0 else 0
+
+    def f(step: int) -> float:
+        if step < warm:
+            return (step + 1) / warm
+        span = max(1, total_steps - warm)
+        progress = min(1.0, (step - warm) / span)
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return f
+
+
+class LossModule(nn.Module):
+    """What DDP wraps: forward = the drafter's training loss (DDP's hooks fire only on forward)."""
+
+    def __init__(self, drafter):
+        super().__init__()
+        self.drafter = drafter
+        # the frozen target embedding/head are buffers: never broadcast them
+        self._ddp_params_and_buffers_to_ignore = ["drafter.embed_weight", "drafter.lm_head_weight"]
+
+    def forward(self, input_ids, loss_mask, context, lengths, generator):
+        out = self.drafter.training_loss(input_ids, loss_mask, context, lengths, generator)
+        return out.loss_sum, out.weight_sum, out.slot_correct, out.slot_count, out.prefix_correct, out.num_blocks
+
+
+def build_run_drafter(run_spec, device):
+    """The run's drafter on `device`: the target's frozen embedding/head, the run's drafter config,
+    initialised under the run's seed, on `device` itself (so every rank starts from the same weights; a
+    drafter built on another device type, e.g. the CPU's for a CUDA run, has other initial weights), then
+    overwritten by the export `run_spec.init_from` when set (a warm start)."""
+    from transformers import AutoConfig
+
+    from dflash_ray.model.drafter import build_drafter
+    from dflash_ray.model.target import load_embed_and_head
+
+    embed, head = load_embed_and_head(run_spec.target_path)
+    target_config = AutoConfig.from_pretrained(run_spec.target_path)
+    drafter = build_drafter(run_spec.drafter, target_config, embed, head, seed=run_spec.seed, device=device)
+    drafter.checkpoint_layers = bool(run_spec.train.checkpoint_layers)
+    init_from = getattr(run_spec, "init_from", None)  # getattr: hand-made specs (tests) may lack it
+    if init_from:  # warm start: step 0's weights; a resume then loads its checkpoint over them as before
+        from dflash_ray.errors import UserError
+        from dflash_ray.model.export import init_from_export
+
+        try:
+            init_from_export(drafter, init_from)
+        except ValueError as e:
+            raise UserError(f"config key 'model.init_from': {e}") from e
+    return drafter
+
+
+def make_optimizer(train, drafter, schedule_steps: int):
+    """AdamW over the drafter's trainable parameters with warmup + cosine over `schedule_steps`.
+    `train` is the typed train config (lr, weight_decay, warmup_ratio)."""
+    opt = torch.optim.AdamW(drafter.trainable_parameters(), lr=train.lr, weight_decay=train.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(schedule_steps, train.warmup_ratio))
+    return opt, sched
+
+
+def build_model(run_spec, device, world_size: int, schedule_steps: int):
+    """The drafter, its loss module (DDP-wrapped across workers), the optimizer and the LR schedule."""
+    drafter = build_run_drafter(run_spec, device)
+    if device.type == "cuda" and run_spec.train.compile:
+        drafter.compile_layers()  # GPU only (not run here yet: benchmarks/gpu_check.sh times the same call)
+    model = LossModule(drafter)
+    if world_size > 1:
+        # gradient_as_bucket_view: the gradients live in DDP's all-reduce buckets (no second copy of them)
+        model = nn.parallel.DistributedDataParallel(
+            model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False,
+            gradient_as_bucket_view=True)
+    opt, sched = make_optimizer(run_spec.train, drafter, schedule_steps)
+    return drafter, model, opt, sched
