@@ -94,13 +94,14 @@ def _title(p) -> str:
 class Sampler(threading.Thread):
     """Samples the driver and its descendants every `interval` s until stopped."""
 
-    def __init__(self, run_dir: Path, coordinator: str, namespace: str, interval: float):
+    def __init__(self, run_dir: Path, record: str, namespace: str, interval: float):
+        # record: the run record actor's name (its report has the step, the target actors, the workers)
         super().__init__(daemon=True)
         import psutil
 
         self.psutil = psutil
         self.me = psutil.Process()
-        self.run_dir, self.coordinator, self.namespace = run_dir, coordinator, namespace
+        self.run_dir, self.coordinator, self.namespace = run_dir, record, namespace
         self.interval = interval
         self.samples: list[dict] = []
         self.titles: dict[int, dict[str, int]] = {}   # pid -> title -> times seen
@@ -313,6 +314,7 @@ def main(argv=None) -> int:
 
     from dflash_ray.config import compose_config
     from dflash_ray.sizing.capacity import SEED_RUN
+    from dflash_ray.runtime.record.record import record_actor_name
     from dflash_ray.runtime.spec import coordinator_name
     from dflash_ray.train import main_job
 
@@ -336,7 +338,7 @@ def main(argv=None) -> int:
              object_store_memory=store_bytes, log_to_driver=False,
              runtime_env={"env_vars": {"RAY_TRAIN_ENABLE_STATE_TRACKING": "1"}})
     run_dir = Path(str(cfg.run.dir))
-    sampler = Sampler(run_dir, coordinator_name(str(cfg.run.name)), "dflash", args.interval)
+    sampler = Sampler(run_dir, record_actor_name(coordinator_name(str(cfg.run.name))), "dflash", args.interval)
     out: dict = {}
 
     def work():
@@ -373,7 +375,7 @@ def main(argv=None) -> int:
     samples = sampler.samples
     stepped = [s for s in samples if s["step"] is not None and s["targets"] is not None]
     steps = max((s["step"] for s in stepped), default=0)
-    # the processes: driver, target actors, trainer workers (their pids as the coordinator recorded them)
+    # the processes: driver, target actors, trainer workers (their pids as the run record has them)
     me = os.getpid()
     target_pids = sorted({t["pid"] for s in stepped for t in s["targets"].values() if t["pid"]})
     worker_pids = {}
