@@ -174,7 +174,7 @@ def test_run_drafter_is_the_seeded_drafter_on_its_device(tmp_path, tied):
                                         VOCAB, str(tmp_path / "target"), seed=4)
     target = load_target(target_dir)
     cfg = DrafterConfig(num_draft_layers=1, block_size=BLOCK, num_anchors=8, mask_token_id=MASK)
-    spec = SimpleNamespace(target_path=target_dir, drafter=cfg, seed=17,
+    spec = SimpleNamespace(target_path=target_dir, drafter=cfg, seed=17, init_from=None,
                            train=SimpleNamespace(checkpoint_layers=tied))  # the run's activation checkpointing
     state = torch.get_rng_state()
     drafter = build_run_drafter(spec, torch.device("cpu"))

@@ -17,7 +17,7 @@ from dflash_ray.config import compose_config
 from dflash_ray.data.shards import SUPERVISED
 from dflash_ray.runtime.training.checkpoint import SNAPSHOT, cursor_metrics
 from dflash_ray.runtime.stream.feed import Cursor
-from dflash_ray.runtime.record.ledger import RUN_INPUTS
+from dflash_ray.runtime.record.layout import RUN_INPUTS
 from dflash_ray.runtime.spec import resolve_spec
 
 

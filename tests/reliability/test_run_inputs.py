@@ -23,7 +23,7 @@ from dflash_ray.data.shards import SUPERVISED, contents_digest, list_shards, sam
 from dflash_ray.errors import UserError
 from dflash_ray.runtime.training.checkpoint import SNAPSHOT, cursor_metrics, write_checkpoint
 from dflash_ray.runtime.stream.feed import Cursor
-from dflash_ray.runtime.record.ledger import RUN_INPUTS
+from dflash_ray.runtime.record.layout import RUN_INPUTS
 from dflash_ray.runtime.spec import resolve_spec
 
 

@@ -75,7 +75,7 @@ def regenerate(input_path: str, output_path: str, *, target_dir: str, tokenizer_
     counts["skipped: already in the output"] = len(rows) - len(todo)
     out.parent.mkdir(parents=True, exist_ok=True)
     if todo:
-        res = (dict(num_gpus=getattr(cluster, "target_gpus", 1.0)) if cluster.use_gpu
+        res = (dict(num_gpus=cluster.target_gpus) if cluster.use_gpu
                else dict(num_cpus=0.5, resources={cluster.target_resource: 1}))
         per_block = max(1, batch_size)
         ds = ray.data.from_items([{"row": json.dumps(r)} for r in todo],

@@ -151,7 +151,7 @@ def stream_bytes_per_token(run_spec) -> int:
     """Bytes a token carries through the stream: the tapped layers' features (bf16 on a GPU, fp32 on the
     CPU: what load_feature_extractor picks), its id (int32) and its loss-mask byte; 0 when the target's
     width is unknown."""
-    hidden = int(getattr(run_spec, "target_hidden_size", 0) or 0)
+    hidden = run_spec.target_hidden_size
     if hidden <= 0:
         return 0
     per_value = 2 if run_spec.cluster.use_gpu else 4
@@ -268,7 +268,7 @@ class DatasetFactory:
         coord = ray.get_actor(s.coordinator, namespace=s.namespace)
         placement = [{"node": node, "ranks": list(ranks), "target_actors": k} for (node, ranks), k in zip(groups, shares)]
         per_block = rows_per_block(feed.table.column("lengths"), stream_bytes_per_token(s),
-                                   block_budget_mb(float(getattr(s.cluster, "stream_block_mb", 0) or 0), resources))
+                                   block_budget_mb(s.cluster.stream_block_mb, resources))
         gen = ray.get(coord.reset_feed.remote(feed.total_steps, feed.cursor.as_dict(), s.batches_per_step,
                                              feed.schedule_steps, rows_per_block=per_block, world=world_size))
         record = ray.get_actor(record_actor_name(s.coordinator), namespace=s.namespace)
@@ -333,19 +333,19 @@ def target_shares(cluster, groups: list, world_size: int, resources: dict) -> li
     resources: node id -> that node's total resources (alive nodes)."""
     def room(total: dict, trainers: int) -> int:
         if cluster.use_gpu:
-            free = total.get("GPU", 0.0) - trainers * float(cluster.drafter_gpus)
-            return int(free / float(cluster.target_gpus) + 1e-9)
+            free = total.get("GPU", 0.0) - trainers * cluster.drafter_gpus
+            return int(free / cluster.target_gpus + 1e-9)
         return int(total.get(cluster.target_resource, 0.0) + 1e-9)
 
     shares = []
     for node, ranks in groups:
         if node is None:   # anywhere: what all nodes together can host beside the trainers
             have = sum(room(total, 0) for total in resources.values()) - \
-                (int(world_size * float(cluster.drafter_gpus) / float(cluster.target_gpus)) if cluster.use_gpu else 0)
-            want = int(cluster.target_workers)
+                (int(world_size * cluster.drafter_gpus / cluster.target_gpus) if cluster.use_gpu else 0)
+            want = cluster.target_workers
         else:
             have = room(resources.get(node, {}), len(ranks))
-            want = max(1, round(int(cluster.target_workers) * len(ranks) / world_size))
+            want = max(1, round(cluster.target_workers * len(ranks) / world_size))
         if have < 1:
             return None
         shares.append(min(want, have))
