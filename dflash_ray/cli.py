@@ -314,7 +314,9 @@ def train_command(cfg, args) -> int:
 
 def compare_orders_command(cfg, args) -> int:
     """The same drafter trained once per interleave strategy with the same budget, side by side."""
-    from dflash_ray.runtime.jobs.compare_orders import STRATEGIES, compare_orders, format_comparison
+    from dflash_ray.data.interleave import STRATEGIES
+    from dflash_ray.runtime.jobs.compare_orders import compare_orders, format_comparison
+    from dflash_ray.train import main_job
 
     strategies = list(STRATEGIES)
     if args.strategies is not None:
@@ -325,7 +327,7 @@ def compare_orders_command(cfg, args) -> int:
                             f"(any of {', '.join(STRATEGIES)})")
     overrides = [o for o in args.overrides if not o.startswith(("run.name=", "data.interleave="))]
     log = (lambda *a, **k: print(*a, file=sys.stderr, **k)) if args.json else print
-    result = compare_orders(cfg, overrides, log=log, strategies=strategies)
+    result = compare_orders(cfg, overrides, main_job, log=log, strategies=strategies)
     if args.json:
         print(json.dumps({k: {kk: vv for kk, vv in v.items() if kk not in ("losses", "buckets_in_order")}
                           for k, v in result["rows"].items()}, indent=2))

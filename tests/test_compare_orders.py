@@ -7,7 +7,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dflash_ray.runtime.jobs.compare_orders import STRATEGIES, bucket_usage, roughness
+from dflash_ray.data.interleave import STRATEGIES
+from dflash_ray.runtime.jobs.compare_orders import bucket_usage, roughness
 
 
 def test_roughness_by_hand():

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-STRATEGIES = ("sequential", "random", "diversity", "stride", "default")
+from dflash_ray.data.interleave import STRATEGIES
 
 
 def roughness(losses, window: int = 9) -> dict:
@@ -52,7 +52,7 @@ def compare_orders(cfg, overrides: list[str], *, log=print, strategies=STRATEGIE
 
     from dflash_ray.config import compose_config
     from dflash_ray.runtime.cluster import ray_cluster
-    from dflash_ray.runtime.coordinator import last_metrics
+    from dflash_ray.runtime.record.record import last_metrics
     from dflash_ray.runtime.record.ledger import LEDGER, read_jsonl
     from dflash_ray.runtime.spec import resolve_spec
     from dflash_ray.train import main_job
@@ -61,6 +61,8 @@ def compare_orders(cfg, overrides: list[str], *, log=print, strategies=STRATEGIE
     rows = {}
     with ray_cluster(OmegaConf.to_object(cfg.cluster), log=log):
         # the data, target and held-out prompts every run shares (each run checks its own record, not the base's)
+        make_demo_inputs(cfg, log=log)
+        make_missing_inputs(cfg, log=log)
         base = resolve_spec(cfg, log=log, record=False)
         shared = [f"data.input={cfg.data.input}", f"data.tokenizer={base.tokenizer}", f"data.shards={base.shards}",
                   f"model.target_path={base.target_path}"]

@@ -13,7 +13,6 @@ from collections import Counter
 from pathlib import Path
 
 LEDGER = "ledger.jsonl"
-RUN_INPUTS = "run_inputs.json"   # what the run's plan and checkpoints were made from: compared on resume
 
 
 def read_jsonl(path) -> list[dict]:
@@ -80,20 +79,3 @@ def verify_ledger(records: list[dict], plan_sizes: dict[int, int], finished_epoc
     return {"ok": not dups and not missing and in_order, "steps": len(records),
             "batches": int(sum(seen.values())), "duplicates": dups[:20], "missing": missing,
             "steps_in_order": in_order, "finished_epochs": sorted(int(e) for e in finished_epochs)}
-
-
-def read_run_inputs(run_dir) -> dict | None:
-    """The inputs record of a run directory (None when there is none, or it is unreadable)."""
-    path = Path(run_dir) / RUN_INPUTS
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
-def write_run_inputs(run_dir, inputs: dict) -> None:
-    """Record what this run is made of (`resolve_spec` writes it while the run has no checkpoint, so a
-    later invocation of the same run.name, which resumes, can check it is made of the same)."""
-    from dflash_ray.atomic import write_json_atomic
-
-    write_json_atomic(Path(run_dir) / RUN_INPUTS, inputs)
