@@ -1,54 +1,68 @@
 """Config: OmegaConf groups under conf/, composed with Hydra's compose API and override grammar,
 validated against typed dataclasses before anything else starts.
 
-Every check of the config's own values lives here: unknown keys (`a.typo=1`), wrong types
-(`train.lr=abc`), choices, minimums and the rules between keys (bucket boundaries vs the batch budget,
-the flight window vs the batches of one step) raise UserError with one line that names the key (and the
-closest known one). The typed groups (model, data, cluster, train, ...) take no new keys: nothing would
-read them. `+name=value` adds a key at the root (for your own interpolations: `+corpus=/data
-data.shards=${corpus}/shards`).
+The dataclasses below hold every key and its one default, each with a line saying what it is. The YAML
+under conf/ sets only what differs: conf/config.yaml picks the group options, and each option
+(conf/cluster/8gpu.yaml, conf/model/qwen3_8b.yaml, ...) names only the keys whose value differs from the
+default (tests/test_config_defaults.py). Hydra composes the YAML and the overrides; the schema's defaults
+fill in every key the YAML leaves out (an override of such a key is applied as `++key=value`).
+
+Every check of the config's own values is made here, when the config is composed: unknown keys
+(`a.typo=1`), wrong types (`train.lr=abc`), choices (CHOICES), minimums (MINIMUM) and the rules between
+keys (`_check_rules`: bucket boundaries vs the batch budget, by the plan's own PlanSpec.validate; the
+flight window vs the batches of one step; ...) raise UserError with one line that names the key (and the
+closest known one). Values are typed once, here: whatever reads the composed config (or the dataclasses)
+gets ints, floats, bools and strs and casts nothing. What needs the data or the target (vocabulary sizes,
+layer ids against the target's depth) is checked where those are read (runtime/spec.py). The typed
+groups (model, data, cluster, train, ...) take no new keys: nothing would read them. `+name=value` adds a
+key at the root (for your own interpolations: `+corpus=/data data.shards=${corpus}/shards`).
 """
 from __future__ import annotations
 
 import difflib
 import os
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, is_dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
+from dflash_ray.data.formats import FORMATS, ON_BAD_ROW
+from dflash_ray.data.interleave import STRATEGIES
 from dflash_ray.errors import UserError
+from dflash_ray.required import require  # noqa: F401  (config.require: the value at a key, or one line naming it)
 
 CONF_DIR = Path(os.environ.get("DFLASH_RAY_CONF", Path(__file__).resolve().parent.parent / "conf"))
 
 
 # ----------------------------------------------------------------------------- typed schema
+# The defaults are the DFlash recipe's (the real presets and data share them); the embedded demo's options
+# (model=tiny, data=synthetic, cluster=local) set their own values for what they do differently.
 @dataclass
 class ModelConfig:
-    name: str = "tiny"
-    target_path: Optional[str] = None
-    target_config: Dict[str, Any] = field(default_factory=dict)
-    num_draft_layers: int = 5
-    target_layer_ids: Optional[List[int]] = None
-    block_size: int = 16
-    mask_token_id: Optional[int] = None
-    num_anchors: int = 512
-    anchors_per_batch: Optional[int] = None   # blocks per batch over all its rows (None: num_anchors per row only)
-    loss_gamma: Optional[float] = None
-    drafter_intermediate_size: Optional[int] = None     # drafter MLP width (None: the target's intermediate_size)
-    drafter_num_attention_heads: Optional[int] = None   # drafter heads (None: the target's); head_dim stays the target's
-    drafter_num_key_value_heads: Optional[int] = None
-    init_from: Optional[str] = None                     # an exported drafter directory to start from (step 0 only)
+    name: str = "tiny"                           # the preset's name (recorded with the run)
+    target_path: Optional[str] = None            # the target's Hugging Face directory (or hub id); null: built from target_config
+    target_config: Dict[str, Any] = field(default_factory=dict)  # config fields of a synthetic target (target_path null)
+    num_draft_layers: int = 5                    # drafter decoder layers
+    target_layer_ids: Optional[List[int]] = None  # target layers tapped for features (null: round(1 + i*(L-4)/(n-1)))
+    block_size: int = 16                         # tokens per draft block (the anchor and its B-1 masked positions)
+    mask_token_id: Optional[int] = None          # null: the tokenizer's mask token, else a reserved id past its vocabulary
+    num_anchors: int = 512                       # anchors (draft blocks) per row at most
+    anchors_per_batch: Optional[int] = None      # blocks per batch over all its rows (null: num_anchors per row only)
+    loss_gamma: Optional[float] = None           # loss decay over a block's positions (null: 7 for B=16, 5 for B=10, 4 for B=8)
+    drafter_intermediate_size: Optional[int] = None     # drafter MLP width (null: the target's intermediate_size)
+    drafter_num_attention_heads: Optional[int] = None   # drafter heads (null: the target's); head_dim stays the target's
+    drafter_num_key_value_heads: Optional[int] = None   # drafter key/value heads (null: the target's)
+    init_from: Optional[str] = None              # an exported drafter to start from (step 0 only; its shape must match)
 
 
 @dataclass
 class SyntheticConfig:
-    num_conversations: int = 600
-    min_tokens: int = 48
-    max_tokens: int = 512
+    num_conversations: int = 600     # conversations of the generated corpus (data.input null)
+    min_tokens: int = 48             # conversation lengths, about min..max tokens (log-normal, long-tailed)
+    max_tokens: int = 512            # (see min_tokens)
     target_steps: int = 400          # train the synthesised target this many steps on the corpus (0: random)
     regenerate: bool = True          # train the drafter on the target's own answers (dflash-ray regenerate)
     heldout_prompts: int = 16        # prompts of a held-out corpus in <run.dir>/heldout.jsonl (tau)
@@ -56,67 +70,71 @@ class SyntheticConfig:
 
 @dataclass
 class DataConfig:
-    input: Optional[str] = None
-    tokenizer: Optional[str] = None
-    output: Optional[str] = None
-    shards: Optional[str] = None
-    prompts: Optional[str] = None
-    shard_size: int = 10000
-    vocab_size: Optional[int] = None
+    input: Optional[str] = None      # conversations (.jsonl/.json/.parquet, dir, glob) for `prepare`; null: a synthetic corpus
+    tokenizer: Optional[str] = None  # tokenizer directory; null: one trained on the synthetic corpus
+    output: Optional[str] = "${run.dir}/shards"   # where `prepare` writes parquet shards
+    shards: Optional[str] = "${data.output}"      # where `plan` and training read them
+    prompts: Optional[str] = None    # prompts .jsonl for `eval`
+    shard_size: int = 10000          # samples per parquet shard
+    vocab_size: Optional[int] = None  # when known, token ids >= vocab_size are rejected
+    # upper bounds (inclusive) of the length buckets (the seed run's six)
     bucket_boundaries: List[int] = field(default_factory=lambda: [512, 1024, 1536, 2304, 3296, 8192])
-    max_tokens_per_batch: int = 16384
-    overlong: str = "truncate"
-    interleave: str = "default"
-    chunk_batches: int = 64
-    attention_tokens: Optional[float] = None   # La of the target's cost per row (None: from the target's shape; 0: off)
-    format: str = "auto"             # prepare's input rows: auto | sharegpt | openai | conversations
+    max_tokens_per_batch: int = 16384  # the target's budget: padded tokens (rows x longest row) per batch
+    overlong: str = "truncate"       # samples over the last boundary: truncate | drop
+    interleave: str = "default"      # order of the buckets' batches: default | stride | sequential | random | diversity
+    chunk_batches: int = 64          # batches formed per length-sorted chunk (more: less padding, less mixing)
+    # La: the row length where a token's attention work equals its linear work; fewer rows for long-row batches
+    # so every bucket's batch costs the target about the same (null: from the target's shape by FLOP count;
+    # 0: token budget only)
+    attention_tokens: Optional[float] = None
+    format: str = "auto"             # prepare's input rows: auto | sharegpt | openai | conversations (auto: per row)
     on_bad_row: str = "fail"         # prepare: fail (one line naming file and row) | skip (counted by reason)
-    turns: str = "all"               # history-rewriting templates: a row per assistant turn (all) or the last only
-    chat_template_kwargs: Optional[Dict[str, Any]] = None  # e.g. {enable_thinking: false}
-    prepare_engine: str = "local"    # prepare: local (one process) | ray (a Ray Data job on cluster.*)
+    turns: str = "all"               # history-rewriting templates (Qwen3): a row per assistant turn (all) or the last only
+    chat_template_kwargs: Optional[Dict[str, Any]] = None  # the served template's arguments, e.g. {enable_thinking: false}
+    prepare_engine: str = "local"    # prepare: local (one process) | ray (a Ray Data job on cluster.*: for large inputs)
     prepare_rows_per_task: int = 2000  # ray: conversations per task
-    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)
+    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)  # the generated corpus (data.input null)
 
 
 @dataclass
 class ClusterConfig:
-    name: str = "local"
-    address: Optional[str] = None
-    num_cpus: Optional[int] = 4
-    object_store_memory: Optional[int] = None
-    use_gpu: bool = False
-    target_workers: int = 1
-    drafter_workers: int = 2
-    target_resource: str = "target_slot"
+    name: str = "local"              # the option's name (recorded with the run)
+    address: Optional[str] = None    # Ray address: auto (a running cluster) | null ($RAY_ADDRESS, else a local Ray)
+    num_cpus: Optional[int] = 4      # logical CPUs of a local Ray (oversubscribed on purpose: Ray Data starves otherwise)
+    object_store_memory: Optional[int] = None  # bytes of a local Ray's object store (null: Ray's default)
+    use_gpu: bool = False            # GPUs for the target actors and drafter workers (false: CPU, gloo DDP)
+    target_workers: int = 1          # target actors (one per target GPU)
+    drafter_workers: int = 2         # Ray Train workers (one per drafter GPU)
+    target_resource: str = "target_slot"  # custom resource each target actor takes when use_gpu is false
     target_gpus: float = 1.0         # GPU share of each target actor (use_gpu; < 1 shares a GPU)
     drafter_gpus: float = 1.0        # GPU share of each drafter worker (use_gpu; < 1 shares a GPU)
-    max_batches_in_flight: int = 4
+    max_batches_in_flight: int = 4   # plan batches between the target actors and the trainers at most
     nodes: int = 1                   # nodes the cluster has (the capacity model's per-node split; the runtime sees them)
     token_block_mb: float = 8.0      # the token store's blocks (Ray Data, in the object stores): the transfer unit
     token_cache_mb: float = 256.0    # blocks each join process keeps (LRU)
     stream_block_mb: float = 32.0    # Ray Data blocks of the stream: as many plan batches as fit (0: one a block)
     device_memory_gb: float = 139.0  # GiB per GPU, as torch.cuda reports it (H200: ~139); the memory model's bound
-    target_tokens_per_gpu: Optional[float] = None   # measured rates for the capacity model (plan)
-    drafter_tokens_per_gpu: Optional[float] = None
+    target_tokens_per_gpu: Optional[float] = None   # measured target tokens/s per device, for the capacity model (plan)
+    drafter_tokens_per_gpu: Optional[float] = None  # ... drafter tokens/s (null: a measured run's summary, else the seed run)
 
 
 @dataclass
 class TrainConfig:
-    epochs: int = 1
-    max_steps: Optional[int] = None
-    lr: float = 6e-4
-    weight_decay: float = 0.0
-    warmup_ratio: float = 0.04
-    grad_clip: float = 1.0
-    grad_accum: int = 1
-    checkpoint_every: Optional[int] = None          # optimizer steps (0/None: off)
-    checkpoint_every_minutes: Optional[float] = 30.0  # rank 0's clock since the last checkpoint (0/None: off)
+    epochs: int = 1                  # passes over the data (every model option sets its own)
+    max_steps: Optional[int] = None  # stop early after this many optimizer steps (null: all epochs)
+    lr: float = 6e-4                 # AdamW's peak learning rate
+    weight_decay: float = 0.0        # AdamW's weight decay
+    warmup_ratio: float = 0.04       # share of the steps with a linear warm-up (then cosine decay)
+    grad_clip: float = 1.0           # gradient norm clip
+    grad_accum: int = 1              # optimizer step = drafter_workers x grad_accum consecutive plan batches
+    checkpoint_every: Optional[int] = None          # optimizer steps (0/null: off); also at each epoch's end and the end
+    checkpoint_every_minutes: Optional[float] = 30.0  # rank 0's clock since the last checkpoint (0/null: off)
     checkpoint_upload: str = "async"               # async: Ray Train uploads while training goes on; sync: waits
-    num_to_keep: int = 2
-    max_failures: int = 3
+    num_to_keep: int = 2             # checkpoints kept
+    max_failures: int = 3            # worker-group restarts (from the last checkpoint) before the run fails
     stream_window_rows: int = 20000  # feed rows per Ray Data stream (a fit of its own, from a checkpoint); 0: one
     max_nonfinite_steps: int = 10    # stop after this many NaN/Inf steps in a row (skipped, counted; 0: never stop)
-    storage_path: Optional[str] = None
+    storage_path: Optional[str] = None  # Ray Train storage (null: <run.dir>/ray_train; shared on multi-node)
     tensorboard: bool = False        # the older switch: the same as adding tensorboard to trackers
     trackers: Optional[List[str]] = None   # any of tensorboard, mlflow, wandb (null/[]: metrics.jsonl only)
     tracker_project: str = "dflash-ray"    # MLflow experiment / W&B project
@@ -129,20 +147,20 @@ class TrainConfig:
 
 @dataclass
 class RunConfig:
-    name: str = "default"
-    root: str = "runs"
-    dir: str = "runs/default"
+    name: str = "default"            # the run's name: its directory, its Ray Train experiment
+    root: str = "runs"               # where run directories live
+    dir: str = "${run.root}/${run.name}"  # the run's directory (record, shards, exports)
 
 
 @dataclass
 class PlanConfig:
-    epoch: int = 0
+    epoch: int = 0                   # the epoch the `plan` command lays out
 
 
 @dataclass
 class EvalConfig:
-    max_new_tokens: int = 64
-    max_prompts: int = 32
+    max_new_tokens: int = 64         # tokens generated per prompt (`dflash-ray eval`)
+    max_prompts: int = 32            # prompts of data.prompts evaluated at most
 
 
 @dataclass
@@ -158,30 +176,34 @@ class RootConfig:
     data: DataConfig = field(default_factory=DataConfig)
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
-    seed: int = 0
+    seed: int = 0                    # seeds the plan's order, the synthetic world and the drafter's initialisation
     run: RunConfig = field(default_factory=RunConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
-    drafter: Optional[str] = None
-    target: Optional[str] = None
+    drafter: Optional[str] = None    # `dflash-ray eval`: an exported drafter directory
+    target: Optional[str] = None     # `dflash-ray eval`: a Hugging Face target directory
     eval: EvalConfig = field(default_factory=EvalConfig)
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
 
 
-CHOICES = {"data.overlong": ("truncate", "drop"),
-           "data.format": ("auto", "sharegpt", "openai", "conversations"), "data.on_bad_row": ("fail", "skip"),
-           "data.turns": ("all", "last"), "data.prepare_engine": ("local", "ray"),
-           "data.interleave": ("default", "stride", "sequential", "random", "diversity"),
+CHOICES = {"data.overlong": ("truncate", "drop"), "data.format": FORMATS, "data.on_bad_row": ON_BAD_ROW,
+           "data.turns": ("all", "last"), "data.prepare_engine": ("local", "ray"), "data.interleave": STRATEGIES,
            "train.checkpoint_upload": ("async", "sync")}
-MINIMUM = {"model.anchors_per_batch": 1, "cluster.target_gpus": 0.01, "cluster.device_memory_gb": 0.1, "cluster.drafter_gpus": 0.01, "model.block_size": 2, "model.num_draft_layers": 1, "model.num_anchors": 1,
+MINIMUM = {"model.block_size": 2, "model.num_draft_layers": 1, "model.num_anchors": 1, "model.anchors_per_batch": 1,
            "model.drafter_intermediate_size": 1, "model.drafter_num_attention_heads": 1,
            "model.drafter_num_key_value_heads": 1,
-           "data.shard_size": 1, "data.prepare_rows_per_task": 1, "data.max_tokens_per_batch": 1, "data.chunk_batches": 1,
-           "cluster.target_workers": 1, "cluster.drafter_workers": 1, "cluster.max_batches_in_flight": 1,
-           "train.epochs": 1, "train.grad_accum": 1, "train.checkpoint_every": 0,
-           "train.checkpoint_every_minutes": 0.0, "train.num_to_keep": 1,
-           "train.max_failures": 0, "train.max_nonfinite_steps": 0, "train.heldout_every": 0, "train.lr": 0.0, "train.warmup_ratio": 0.0, "eval.max_new_tokens": 1,
-           "regenerate.max_new_tokens": 1, "regenerate.batch_size": 1, "data.synthetic.target_steps": 0,
-           "data.synthetic.heldout_prompts": 0}
+           "data.shard_size": 1, "data.max_tokens_per_batch": 1, "data.chunk_batches": 1, "data.attention_tokens": 0,
+           "data.prepare_rows_per_task": 1, "data.synthetic.target_steps": 0, "data.synthetic.heldout_prompts": 0,
+           "cluster.target_workers": 1, "cluster.drafter_workers": 1, "cluster.target_gpus": 0.01,
+           "cluster.drafter_gpus": 0.01, "cluster.max_batches_in_flight": 1, "cluster.nodes": 1,
+           "cluster.stream_block_mb": 0, "cluster.device_memory_gb": 0.1,
+           "train.epochs": 1, "train.lr": 0.0, "train.warmup_ratio": 0.0, "train.grad_accum": 1,
+           "train.checkpoint_every": 0, "train.checkpoint_every_minutes": 0.0, "train.num_to_keep": 1,
+           "train.max_failures": 0, "train.stream_window_rows": 0, "train.max_nonfinite_steps": 0,
+           "train.heldout_every": 0,
+           "eval.max_new_tokens": 1, "regenerate.max_new_tokens": 1, "regenerate.batch_size": 1}
+# what the least value means, where it means more than a number (said with the minimum)
+AT_LEAST = {"data.attention_tokens": "0: no attention term", "cluster.stream_block_mb": "0: one plan batch a block",
+            "train.stream_window_rows": "0: one stream for the whole run", "train.max_nonfinite_steps": "0: never stop"}
 
 
 # ----------------------------------------------------------------------------- composition
@@ -208,16 +230,68 @@ def _closest(key: str, known: List[str]) -> str:
 
 
 def _known_keys() -> List[str]:
-    return _flat_keys(_compose_raw([]))
+    """The schema's keys and those the default YAML adds inside them (model.target_config.*)."""
+    schema = OmegaConf.structured(RootConfig)
+    OmegaConf.set_struct(schema, False)
+    return _flat_keys(OmegaConf.merge(schema, _compose_raw([])))
 
 
 def _compose_raw(overrides: List[str]) -> DictConfig:
+    """conf/config.yaml with its options and the overrides, untyped: only the keys the YAML names (the
+    schema's defaults are merged in by compose_config). For the user every key of the schema exists: an
+    override of a key the YAML leaves at its default is applied as `++key=value` (set or add), and `~key`
+    of such a key deletes what the YAML set, if anything (the key then takes the schema's default)."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
+    hydra_overrides, deletes = _typed_overrides(overrides)
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        return compose(config_name="config", overrides=list(overrides))
+        cfg = compose(config_name="config", overrides=hydra_overrides)
+    with open_dict(cfg):
+        for key in deletes:
+            parent, _, leaf = key.rpartition(".")
+            node = OmegaConf.select(cfg, parent) if parent else cfg
+            if isinstance(node, DictConfig) and leaf in node.keys():  # `in node` is False for `???`
+                del node[leaf]
+    return cfg
+
+
+def _schema_keys(node: DictConfig | None = None, prefix: str = "") -> List[str]:
+    """The keys the schema types: every field that is not a group (a dataclass) of its own."""
+    node = OmegaConf.structured(RootConfig) if node is None else node
+    keys = []
+    for k in node.keys():
+        child = node._get_node(k)
+        if isinstance(child, DictConfig) and is_dataclass(child._metadata.object_type):
+            keys.extend(_schema_keys(child, f"{prefix}{k}."))
+        else:
+            keys.append(f"{prefix}{k}")
+    return keys
+
+
+def _typed_overrides(overrides: List[str]) -> tuple[List[str], List[str]]:
+    """(the overrides for Hydra, the schema's keys to delete after it): `key=value` of a schema key as
+    `++key=value` (the YAML may leave the key out), `~key` of a schema key taken out; anything else as given
+    (group choices, `+new=1`, unknown keys: Hydra names those)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import OverrideType
+
+    try:
+        parsed = OverridesParser.create().parse_overrides(list(overrides))
+    except Exception:  # Hydra's compose raises the same error, explained by _explain_compose_error
+        return list(overrides), []
+    typed = set(_schema_keys())
+    kept, deletes = [], []
+    for o, line in zip(parsed, overrides):
+        key = o.key_or_group if o.package is None else None
+        if key in typed and o.type == OverrideType.CHANGE:
+            kept.append(f"++{line}")
+        elif key in typed and o.type == OverrideType.DEL and o.value() is None:
+            deletes.append(key)
+        else:
+            kept.append(line)
+    return kept, deletes
 
 
 def compose_config(overrides: List[str] | None = None) -> DictConfig:
@@ -251,34 +325,28 @@ def compose_config(overrides: List[str] | None = None) -> DictConfig:
     for key, least in MINIMUM.items():
         value = OmegaConf.select(merged, key, default=None)
         if isinstance(value, (int, float)) and value < least:
-            raise UserError(f"config key '{key}': must be >= {least}, got {value}")
+            meaning = f" ({AT_LEAST[key]})" if key in AT_LEAST else ""
+            raise UserError(f"config key '{key}': must be >= {least}{meaning}, got {value}")
     _check_rules(merged)
     return merged  # `???` values stay missing; `require()` names them where they are needed
 
 
 def _check_rules(cfg: DictConfig) -> None:
-    """Rules between keys."""
+    """Rules between keys (and choices a table does not say)."""
     from dflash_ray.data.plan import PlanSpec
+    from dflash_ray.runtime.record.trackers import chosen
 
-    PlanSpec.from_config(cfg)  # bucket boundaries ascending, the batch budget holds the longest bucket
+    PlanSpec.from_config(cfg)  # validated: bucket boundaries ascending, the batch budget holds the longest bucket
     c, t = cfg.cluster, cfg.train
     if not t.checkpoint_every and not t.checkpoint_every_minutes:
         raise UserError("config key 'train.checkpoint_every_minutes': checkpoints are off (it and "
                         "train.checkpoint_every are both 0/null): set one of them (a restart would retrain "
                         "whole epochs)")
-    from dflash_ray.runtime.record.trackers import chosen
-
     chosen(t)  # unknown tracker names
     if t.wandb_mode is not None and t.wandb_mode not in ("online", "offline", "disabled"):
         raise UserError(f"config key 'train.wandb_mode': '{t.wandb_mode}' is not one of online, offline, disabled")
-    if int(t.stream_window_rows) < 0:
-        raise UserError(f"config key 'train.stream_window_rows': must be >= 0 (0: one stream for the whole run), "
-                        f"got {t.stream_window_rows}")
-    if float(c.stream_block_mb) < 0:
-        raise UserError(f"config key 'cluster.stream_block_mb': must be >= 0 (0: one plan batch a block), "
-                        f"got {c.stream_block_mb}")
-    per_step = int(c.drafter_workers) * int(t.grad_accum)
-    if int(c.max_batches_in_flight) < per_step:
+    per_step = c.drafter_workers * t.grad_accum
+    if c.max_batches_in_flight < per_step:
         raise UserError(f"config key 'cluster.max_batches_in_flight': {c.max_batches_in_flight} is less than "
                         f"the {per_step} batches one optimizer step needs (drafter_workers x grad_accum)")
 
@@ -305,14 +373,3 @@ def _explain_compose_error(e: Exception, overrides: List[str]) -> str:
 
 def to_yaml(cfg: DictConfig) -> str:
     return OmegaConf.to_yaml(cfg, resolve=True)
-
-
-def require(cfg: DictConfig, key: str) -> Any:
-    """The value at `key`, or a UserError naming the key when it is unset (??? or null)."""
-    try:
-        value = OmegaConf.select(cfg, key, throw_on_missing=True)
-    except OmegaConfBaseException:
-        value = None
-    if value is None:
-        raise UserError(f"config key '{key}' must be set (e.g. {key}=...)")
-    return value

@@ -21,6 +21,7 @@ import pyarrow as pa
 from dflash_ray.data.buckets import assign_buckets, form_batches
 from dflash_ray.data.interleave import interleave_order, order_measures
 from dflash_ray.errors import UserError
+from dflash_ray.sizing.memory import text_config
 
 
 @dataclass
@@ -37,6 +38,8 @@ class PlanSpec:
     anchors_per_batch: int | None = None    # anchors per batch at most (None: num_anchors per row only)
 
     def validate(self) -> None:
+        """The rules between the plan's keys (config.py checks them at compose time through here; the
+        keys' own minimums are config.py's MINIMUM)."""
         b = list(self.boundaries)
         if not b or any(x <= 0 for x in b) or any(y <= x for x, y in zip(b, b[1:])):
             raise UserError(f"config key 'data.bucket_boundaries': must be positive and ascending, got {b}")
@@ -44,25 +47,22 @@ class PlanSpec:
             raise UserError(
                 f"config key 'data.max_tokens_per_batch': {self.max_tokens_per_batch} is smaller than the last "
                 f"bucket boundary {b[-1]}, so the longest samples fit in no batch")
-        if self.chunk_batches < 1:
-            raise UserError("config key 'data.chunk_batches': must be >= 1")
-        if self.attention_tokens is not None and self.attention_tokens < 0:
-            raise UserError(f"config key 'data.attention_tokens': must be >= 0 (0: no attention term), "
-                            f"got {self.attention_tokens}")
 
     @classmethod
     def from_config(cls, cfg) -> "PlanSpec":
+        """From a composed config (typed: nothing to cast)."""
+        d, m = cfg.data, cfg.model
         plan_spec = cls(
-            boundaries=[int(x) for x in cfg.data.bucket_boundaries],
-            max_tokens_per_batch=int(cfg.data.max_tokens_per_batch),
-            overlong=str(cfg.data.overlong),
-            chunk_batches=int(cfg.data.chunk_batches),
-            min_tokens=2 * int(cfg.model.block_size),
-            strategy=str(cfg.data.interleave),
+            boundaries=list(d.bucket_boundaries),
+            max_tokens_per_batch=d.max_tokens_per_batch,
+            overlong=d.overlong,
+            chunk_batches=d.chunk_batches,
+            min_tokens=2 * m.block_size,
+            strategy=d.interleave,
             attention_tokens=_attention_tokens(cfg),
-            block_size=int(cfg.model.block_size),
-            num_anchors=int(cfg.model.num_anchors),
-            anchors_per_batch=None if cfg.model.anchors_per_batch is None else int(cfg.model.anchors_per_batch),
+            block_size=m.block_size,
+            num_anchors=m.num_anchors,
+            anchors_per_batch=m.anchors_per_batch,
         )
         plan_spec.validate()
         return plan_spec
@@ -73,7 +73,7 @@ def attention_tokens_of(target: dict) -> float | None:
     projection parameters; its causal attention over a row of L tokens averages 2 x L x heads x head_dim;
     the two are equal at L = La = projection parameters / (heads x head_dim). Qwen3-8B: ~47K tokens (an
     8K row costs ~17% more per token than a short one); the tiny demo target: 576."""
-    t = target.get("text_config", target) if "hidden_size" not in target else target
+    t = text_config(target)
     try:
         h, heads, inter = int(t["hidden_size"]), int(t["num_attention_heads"]), int(t["intermediate_size"])
     except (KeyError, TypeError, ValueError):
@@ -93,22 +93,19 @@ def target_fields(cfg) -> dict | None:
 
     from omegaconf import OmegaConf
 
-    path = OmegaConf.select(cfg, "model.target_path", default=None, throw_on_missing=False)
-    if path is None:
-        path = Path(str(OmegaConf.select(cfg, "run.dir", default="."))) / "target"
-    if (Path(str(path)) / "config.json").is_file():
-        return json.loads((Path(str(path)) / "config.json").read_text())
-    fields = OmegaConf.select(cfg, "model.target_config", default=None)
+    path = OmegaConf.select(cfg, "model.target_path", throw_on_missing=False)   # None when `???`
+    config_json = (Path(cfg.run.dir) / "target" if path is None else Path(path)) / "config.json"
+    if config_json.is_file():
+        return json.loads(config_json.read_text())
+    fields = cfg.model.target_config
     return OmegaConf.to_container(fields) if fields else None
 
 
 def _attention_tokens(cfg) -> float | None:
     """data.attention_tokens when set (0 turns the term off), else from the target's shape."""
-    from omegaconf import OmegaConf
-
-    value = OmegaConf.select(cfg, "data.attention_tokens", default=None)
+    value = cfg.data.attention_tokens
     if value is not None:
-        return float(value) or None
+        return value or None
     fields = target_fields(cfg)
     return attention_tokens_of(fields) if fields else None
 
@@ -282,10 +279,10 @@ def build_plan(sample_ids, num_tokens, plan_spec: PlanSpec, *, num_supervised=No
 
 
 def plan_from_config(cfg, epoch: int | None = None) -> Plan:
-    from dflash_ray.config import require
     from dflash_ray.data.shards import read_lengths
+    from dflash_ray.required import require
 
     plan_spec = PlanSpec.from_config(cfg)
     lengths = read_lengths(require(cfg, "data.shards"))
     return build_plan(lengths.sample_ids, lengths.num_tokens, plan_spec, num_supervised=lengths.num_supervised,
-                      seed=int(cfg.seed), epoch=int(cfg.plan.epoch if epoch is None else epoch))
+                      seed=cfg.seed, epoch=cfg.plan.epoch if epoch is None else epoch)

@@ -36,16 +36,16 @@ def best_split(n_gpus: int, target_rate: float, drafter_rate: float) -> dict:
 
 def _rates(cfg) -> tuple[float, float, str]:
     c = cfg.cluster
-    t, d = c.get("target_tokens_per_gpu"), c.get("drafter_tokens_per_gpu")
+    t, d = c.target_tokens_per_gpu, c.drafter_tokens_per_gpu
     if t is not None and d is not None:
-        return float(t), float(d), "config (cluster.target_tokens_per_gpu, cluster.drafter_tokens_per_gpu)"
-    summary = Path(str(cfg.run.dir)) / "summary.json"
+        return t, d, "config (cluster.target_tokens_per_gpu, cluster.drafter_tokens_per_gpu)"
+    summary = Path(cfg.run.dir) / "summary.json"
     if summary.exists():
         try:
             s = json.loads(summary.read_text())
             m = s.get("measured") or {}
-            same_model = (s.get("model", {}).get("num_draft_layers") == int(cfg.model.num_draft_layers)
-                          and bool(s.get("use_gpu")) == bool(c.use_gpu))
+            same_model = (s.get("model", {}).get("num_draft_layers") == cfg.model.num_draft_layers
+                          and bool(s.get("use_gpu")) == c.use_gpu)
             mt, md = m.get("target_tokens_per_second_per_actor"), m.get("drafter_tokens_per_second_per_worker")
             if same_model and mt and md:
                 return (float(t if t is not None else mt), float(d if d is not None else md),
@@ -53,8 +53,8 @@ def _rates(cfg) -> tuple[float, float, str]:
         except (OSError, ValueError):
             pass
     sr = SEED_RUN
-    return (float(t if t is not None else sr["tokens_per_second"] / sr["target"]),
-            float(d if d is not None else sr["tokens_per_second"] / sr["drafter"]),
+    return (t if t is not None else sr["tokens_per_second"] / sr["target"],
+            d if d is not None else sr["tokens_per_second"] / sr["drafter"],
             "seed-run estimate: 25.3K tokens/s on 6 target + 2 drafter GPUs, assumed balanced")
 
 
@@ -82,11 +82,11 @@ def node_split(nodes: int, gpus_per_node: int, target_workers: int, drafter_work
 
 def capacity_report(cfg, plan_summary: dict, feature_bytes_per_token: float | None = None) -> dict:
     c = cfg.cluster
-    n = int(c.target_workers) + int(c.drafter_workers)
+    n = c.target_workers + c.drafter_workers
     unit = "GPUs" if c.use_gpu else "devices (CPU actors)"
     t_rate, d_rate, source = _rates(cfg)
     model = best_split(n, t_rate, d_rate)
-    configured = next(s for s in model["splits"] if s["target"] == int(c.target_workers))
+    configured = next(s for s in model["splits"] if s["target"] == c.target_workers)
     best = model["best"]
     tokens = plan_summary.get("tokens") or 0
     cap = {"devices": n, "target_tokens_per_gpu": t_rate, "drafter_tokens_per_gpu": d_rate, "source": source,
@@ -104,10 +104,10 @@ def capacity_report(cfg, plan_summary: dict, feature_bytes_per_token: float | No
     if tokens:
         text.append(f"  one epoch ({tokens:,} tokens): {_duration(cap['epoch_hours_configured'])} configured, "
                     f"{_duration(cap['epoch_hours_best'])} at the best split")
-    nodes = int(c.get("nodes") or 1)
+    nodes = c.get("nodes", 1)   # (a stand-in cluster without the key: one node)
     if nodes > 1:
         per = n // nodes
-        split = node_split(nodes, per, int(c.target_workers), int(c.drafter_workers), t_rate, d_rate,
+        split = node_split(nodes, per, c.target_workers, c.drafter_workers, t_rate, d_rate,
                            feature_bytes_per_token)
         cap["per_node"] = split
         text.append(f"  per node ({nodes} nodes x {per} {unit.split(' ')[0]}; trainers spread, each node's target "

@@ -23,6 +23,7 @@ activations exist at a time (recomputed in backward).
 """
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,6 +31,15 @@ import numpy as np
 GIB = 1024 ** 3
 BACKWARD_FACTOR = 1.45         # measured: 1.44-1.53 at the scaled shape (bench_step_memory.py, 6 buckets)
 ACT_BYTES_AUTOCAST = 3.0       # bf16 matmul outputs (2 bytes), fp32 norm internals (4 bytes): about half each
+
+
+def text_config(config):
+    """The language model's part of a Hugging Face config: its `text_config` (multimodal checkpoints keep
+    the decoder's fields there), else the config itself. `config` is a config.json dict or a
+    transformers PretrainedConfig; a dict that has hidden_size at its top is its own text config."""
+    if isinstance(config, Mapping):
+        return config if "hidden_size" in config else (config.get("text_config") or config)
+    return getattr(config, "text_config", None) or config
 
 
 @dataclass(frozen=True)
@@ -48,7 +58,7 @@ class Shape:
 
     @classmethod
     def of(cls, target: dict) -> "Shape":
-        t = target.get("text_config", target) if "hidden_size" not in target else target
+        t = text_config(target)
         h, heads = int(t["hidden_size"]), int(t["num_attention_heads"])
         return cls(hidden=h, heads=heads, kv_heads=int(t.get("num_key_value_heads") or heads),
                    head_dim=int(t.get("head_dim") or h // heads), intermediate=int(t["intermediate_size"]),

@@ -53,9 +53,6 @@ def fit(run_spec, num_buckets: int, *, progress: bool = True) -> FitOutcome:
 
     run_spec = _fresh_coordinator(run_spec)
     c, t = run_spec.cluster, run_spec.train
-    if int(getattr(t, "max_nonfinite_steps", 0) or 0) < 0:
-        raise UserError(f"config key 'train.max_nonfinite_steps': must be >= 0 (0: never stop), got "
-                        f"{t.max_nonfinite_steps}")
     coord, record = start_run_actors(run_spec, num_buckets)
     t0 = time.time()
     try:   # a previous driver's never-registered checkpoints: whole checkpoints' bytes nothing will read
