@@ -310,7 +310,6 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
 
     import ray
-    from omegaconf import OmegaConf
 
     from dflash_ray.config import compose_config
     from dflash_ray.sizing.capacity import SEED_RUN
@@ -455,8 +454,7 @@ def main(argv=None) -> int:
     steps_per_s = (steps - lo) / (tm[steps] - tm[lo]) if steps in tm and lo in tm and tm[steps] > tm[lo] else None
 
     # the GPU-scale time per feed row from the capacity model's seed run
-    sharegpt = OmegaConf.load(REPO / "conf" / "data" / "sharegpt.yaml")
-    gpu_batch_tokens = int(sharegpt.max_tokens_per_batch)
+    gpu_batch_tokens = compose_config(["data=sharegpt"]).data.max_tokens_per_batch
     gpu_row_s = gpu_batch_tokens / SEED_RUN["tokens_per_second"]          # one feed row through the pipeline
     gpu_step_s = gpu_row_s * SEED_RUN["drafter"]                           # a step: one row per drafter GPU
     overhead_issue = ms(total_cpu - model_wall)

@@ -212,9 +212,10 @@ def feature_bytes_per_token(cfg) -> float | None:
     fp32 on CPUs); None when the target's shape is unknown."""
     from dflash_ray.data.plan import target_fields
     from dflash_ray.model.target import default_target_layer_ids
+    from dflash_ray.sizing.memory import text_config
 
     target = target_fields(cfg)
-    text = (target or {}).get("text_config", target or {})
+    text = text_config(target or {})
     if "hidden_size" not in text:
         return None
     m = cfg.model
@@ -227,13 +228,13 @@ def plan_memory(cfg, plan) -> dict:
     model.target_path's config.json or model.target_config); only a line when the shape is unknown."""
     from dflash_ray.data.plan import target_fields
     from dflash_ray.model.target import default_target_layer_ids
-    from dflash_ray.sizing.memory import memory_report
+    from dflash_ray.sizing.memory import memory_report, text_config
 
     target = target_fields(cfg)
-    if not target or "vocab_size" not in target.get("text_config", target):
+    if not target or "vocab_size" not in text_config(target):
         return {"text": ["memory model: the target's shape is unknown (model.target_path is not a local "
                          "directory with a config.json; a synthesised target is known once a run built it)"]}
-    text = target.get("text_config", target)
+    text = text_config(target)
     m, c = cfg.model, cfg.cluster
     layer_ids = list(m.target_layer_ids or default_target_layer_ids(int(text["num_hidden_layers"]), int(m.num_draft_layers)))
     dtype = str(target.get("dtype") or target.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype") or "float32")
@@ -316,7 +317,6 @@ def compare_orders_command(cfg, args) -> int:
     """The same drafter trained once per interleave strategy with the same budget, side by side."""
     from dflash_ray.data.interleave import STRATEGIES
     from dflash_ray.runtime.jobs.compare_orders import compare_orders, format_comparison
-    from dflash_ray.train import main_job
 
     strategies = list(STRATEGIES)
     if args.strategies is not None:
@@ -327,7 +327,7 @@ def compare_orders_command(cfg, args) -> int:
                             f"(any of {', '.join(STRATEGIES)})")
     overrides = [o for o in args.overrides if not o.startswith(("run.name=", "data.interleave="))]
     log = (lambda *a, **k: print(*a, file=sys.stderr, **k)) if args.json else print
-    result = compare_orders(cfg, overrides, main_job, log=log, strategies=strategies)
+    result = compare_orders(cfg, overrides, log=log, strategies=strategies)
     if args.json:
         print(json.dumps({k: {kk: vv for kk, vv in v.items() if kk not in ("losses", "buckets_in_order")}
                           for k, v in result["rows"].items()}, indent=2))
@@ -380,13 +380,14 @@ def eval_command(cfg, args) -> int:
     from dflash_ray.config import require
     from dflash_ray.data.prompts import find_tokenizer, read_prompts
     from dflash_ray.model.evaluate import evaluate_acceptance
+    from dflash_ray.sizing.memory import text_config
 
     drafter_dir, target_dir = require(cfg, "drafter"), require(cfg, "target")
     for key, d in (("drafter", drafter_dir), ("target", target_dir)):
         if not (Path(d) / "config.json").exists():
             raise UserError(f"{d}: no config.json (config key '{key}' must name a Hugging Face-format directory)")
     tcfg, dcfg = (json.loads((Path(d) / "config.json").read_text()) for d in (target_dir, drafter_dir))
-    tcfg = tcfg.get("text_config", tcfg)
+    tcfg = text_config(tcfg)
     for key, want in (("hidden_size", tcfg.get("hidden_size")), ("num_target_layers", tcfg.get("num_hidden_layers"))):
         if dcfg.get(key) != want:
             raise UserError(f"{drafter_dir}: drafter {key} {dcfg.get(key)} does not fit target {target_dir} ({want})")

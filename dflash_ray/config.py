@@ -32,7 +32,7 @@ from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 from dflash_ray.data.formats import FORMATS, ON_BAD_ROW
 from dflash_ray.data.interleave import STRATEGIES
 from dflash_ray.errors import UserError
-from dflash_ray.required import require  # noqa: F401  (config.require: the value at a key, or one line naming it)
+from dflash_ray.required import require  # noqa: F401  (re-exported: config.require, the value at a key or one line naming it)
 
 CONF_DIR = Path(os.environ.get("DFLASH_RAY_CONF", Path(__file__).resolve().parent.parent / "conf"))
 

@@ -20,7 +20,6 @@ Rerunning the same run.name resumes the run from its latest checkpoint.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 
 def main_job(cfg, *, progress: bool = True, log=print, plan_log=print):
@@ -35,7 +34,8 @@ def main_job(cfg, *, progress: bool = True, log=print, plan_log=print):
     from dflash_ray.runtime.cluster import check_resources, ray_cluster
     from dflash_ray.runtime.record import trackers
     from dflash_ray.runtime.record.heldout import initial_and_trained_tau
-    from dflash_ray.runtime.spec import resolve_spec
+    from dflash_ray.runtime.record.layout import RunLayout
+    from dflash_ray.runtime.spec import RunPlans, resolve_spec
     from dflash_ray.runtime.record.summary import build_summary
     from dflash_ray.runtime.training.trainer import fit
 
@@ -47,28 +47,28 @@ def main_job(cfg, *, progress: bool = True, log=print, plan_log=print):
         make_demo_inputs(cfg, log=log)         # no data given (the embedded default): make the demo world
         make_missing_inputs(cfg, log=log)      # a synthesised target for model.target_path: null; shards not prepared yet
         run_spec = resolve_spec(cfg, log=log)  # the config's choices answered and checked (a rerun: against its start)
-        plan_summary = run_spec.build_plan(epoch=0).summary()
+        plans = RunPlans(run_spec)             # each epoch's plan built once, here, and handed on
+        plan_summary = plans(0).summary()
         plan_log(format_plan(plan_summary))
         check_resources(run_spec.cluster)
         try:
-            outcome = fit(run_spec, num_buckets=len(plan_summary["buckets"]) or 1, progress=progress)
+            outcome = fit(run_spec, plans, num_buckets=len(plan_summary["buckets"]) or 1, progress=progress)
         except BaseException:
             trackers.end_run(run_spec, None, failed=True, log=log)   # the tracker runs say FAILED
             raise
 
-    summary = build_summary(run_spec, plan_summary, outcome.report, started=outcome.started,
+    summary = build_summary(run_spec, plans, plan_summary, outcome.report, started=outcome.started,
                             wall_seconds=outcome.wall_seconds)
     if export_latest(run_spec) is None:
         summary["export"] = None
     summary["heldout_tau"] = (initial_and_trained_tau(run_spec, summary["export"])
                               if run_spec.heldout and summary["export"] else None)
-    write_json_atomic(Path(run_spec.run_dir) / "summary.json", summary)
+    write_json_atomic(RunLayout(run_spec.run_dir).summary, summary)
     trackers.end_run(run_spec, summary, log=log)   # export/ and best/ as artifacts, final tau, FINISHED
     return run_spec, summary
 
 
-if __name__ == "__main__":   # `python -m dflash_ray.train [overrides]` is `python -m dflash_ray train [overrides]`
-    import runpy              # (the CLI, which imports this module, run as a script: no import circle)
+if __name__ == "__main__":   # `python -m dflash_ray.train [overrides]`: the CLI's train command
+    from dflash_ray.cli import run_command
 
-    sys.argv[1:1] = ["train"]
-    runpy.run_module("dflash_ray", run_name="__main__", alter_sys=True)
+    sys.exit(run_command("train", sys.argv[1:]))

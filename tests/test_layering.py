@@ -1,4 +1,5 @@
-"""The package's layering, read from the source (every import, at the top or inside a function):
+"""The package's layering, read from the source (every import, at the top or inside a function; a
+module's script entry, `if __name__ == "__main__":`, is not an import of the module and is left out):
 
 * no import circle between modules (a circle makes the order of imports matter and hides the layering);
 * the model layer imports neither Ray nor the data layer (it runs in a notebook or a serving engine);
@@ -20,6 +21,11 @@ def _module(path: Path) -> str:
     return ".".join(parts)
 
 
+def _is_script_entry(node) -> bool:
+    return (isinstance(node, ast.If) and isinstance(node.test, ast.Compare)
+            and isinstance(node.test.left, ast.Name) and node.test.left.id == "__name__")
+
+
 def import_graph() -> dict[str, set[str]]:
     """module -> the modules it imports (external ones by their top-level name, ours in full)."""
     modules = {_module(p): p for p in PKG.rglob("*.py")}
@@ -27,7 +33,9 @@ def import_graph() -> dict[str, set[str]]:
     for name, path in modules.items():
         out = set()
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        tree = ast.parse(path.read_text(), str(path))
+        tree.body = [n for n in tree.body if not _is_script_entry(n)]
+        for node in ast.walk(tree):
             if isinstance(node, ast.Import):
                 targets = [a.name for a in node.names]
             elif isinstance(node, ast.ImportFrom):

@@ -21,6 +21,8 @@ from torch.nn import functional as F
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
+from dflash_ray.sizing.memory import text_config
+
 from .attention import training_mask
 from .layers import DrafterLayer, RMSNorm
 from .loss import LossOutput, chunked_head_ce, default_gamma, slot_weights
@@ -92,7 +94,7 @@ def drafter_config(target_hf_config, num_draft_layers: int, block_size: int, mas
     MLP width, not the 768 of one expert) unless `intermediate_size` is given. `num_attention_heads` /
     `num_key_value_heads` replace the target's head counts; head_dim stays the target's."""
     tcfg = target_hf_config.to_dict() if hasattr(target_hf_config, "to_dict") else dict(target_hf_config)
-    tcfg = tcfg.get("text_config", tcfg) if "hidden_size" not in tcfg else tcfg
+    tcfg = text_config(tcfg)
     num_target_layers = int(tcfg["num_hidden_layers"])
     if target_layer_ids is None:
         target_layer_ids = default_target_layer_ids(num_target_layers, num_draft_layers)

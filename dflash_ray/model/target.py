@@ -19,6 +19,8 @@ from torch import nn
 
 from transformers.masking_utils import create_causal_mask
 
+from dflash_ray.sizing.memory import text_config
+
 # transformers renamed create_causal_mask's `past_key_values` to `cache` (between 5.17, the GPU image's, and
 # 5.24, this machine's). Pass whichever name this version takes.
 _MASK_PARAMS = inspect.signature(create_causal_mask).parameters
@@ -137,7 +139,7 @@ def load_feature_extractor(path: str, layer_ids: list[int], device: str | torch.
     if dtype is None:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     config = AutoConfig.from_pretrained(path)
-    text = getattr(config, "text_config", None) or config
+    text = text_config(config)
     total = int(text.num_hidden_layers)
     keep = max(int(i) for i in layer_ids) + 1
     if keep < total:

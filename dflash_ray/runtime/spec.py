@@ -58,18 +58,33 @@ class RunSpec:
         """Ray Train's directory of this run: checkpoints and its record of them."""
         return f"{self.storage_path.rstrip('/')}/{self.name}"
 
-    def build_plan(self, epoch: int, lengths=None) -> Plan:
-        """The epoch plan: the same pure function `dflash-ray plan` uses. lengths: the shards'
-        `read_lengths` when already read, else read here."""
-        if lengths is None:
-            from dflash_ray.data.shards import read_lengths
-
-            lengths = read_lengths(self.shards)
-        return build_plan(lengths.sample_ids, lengths.num_tokens, self.plan, num_supervised=lengths.num_supervised,
-                          seed=self.seed, epoch=int(epoch))
-
     def to_json(self) -> str:
         return json.dumps(asdict(self), indent=2, sort_keys=True)
+
+
+class RunPlans:
+    """The run's epoch plans (data/plan.py: a pure function of the shards' lengths, the config, the seed and
+    the epoch), each built once in the driver from lengths read once, and handed on (pickled with what is
+    built) to the stream's factory in Ray Train's controller and to the summary, so nothing re-reads the
+    shards to plan again. `plans(epoch)` is the epoch's plan, as `dflash-ray plan` builds it."""
+
+    def __init__(self, spec: RunSpec, lengths=None):
+        self.spec, self._lengths, self._plans = spec, lengths, {}
+
+    def __call__(self, epoch: int) -> Plan:
+        if epoch not in self._plans:
+            if self._lengths is None:
+                from dflash_ray.data.shards import read_lengths
+
+                self._lengths = read_lengths(self.spec.shards)
+            n = self._lengths
+            self._plans[epoch] = build_plan(n.sample_ids, n.num_tokens, self.spec.plan, num_supervised=n.num_supervised,
+                                            seed=self.spec.seed, epoch=epoch)
+        return self._plans[epoch]
+
+    def __getstate__(self) -> dict:
+        # the built plans travel; the lengths (read again only for an epoch not built yet) do not
+        return {**self.__dict__, "_lengths": None}
 
 
 def resolve_spec(cfg, log=print, *, inputs: bool = True, record: bool = True) -> RunSpec:
@@ -87,6 +102,8 @@ def resolve_spec(cfg, log=print, *, inputs: bool = True, record: bool = True) ->
     the data is checked, but the run's record (run_inputs.json) is neither written nor compared: the runs
     trained from it check their own."""
     from transformers import AutoConfig, AutoTokenizer
+
+    from dflash_ray.sizing.memory import text_config
 
     from dflash_ray.data.shards import scan_shards
     from dflash_ray.model.target import default_mask_token_id, default_target_layer_ids, missing_weights
@@ -122,7 +139,7 @@ def resolve_spec(cfg, log=print, *, inputs: bool = True, record: bool = True) ->
             raise UserError(f"{target_path}: {reason} (config key 'model.target_path')")
     try:
         tcfg = AutoConfig.from_pretrained(str(target_path))
-        tcfg = getattr(tcfg, "text_config", None) or tcfg
+        tcfg = text_config(tcfg)
         n_layers, target_vocab = int(tcfg.num_hidden_layers), int(tcfg.vocab_size)
     except (ValueError, TypeError, AttributeError, OSError) as e:  # no model_type, a field missing, bad JSON
         raise UserError(f"{target_path}/config.json: not a usable model config ({str(e).strip().splitlines()[0]}) "

@@ -121,7 +121,7 @@ def register_checkpoint(spec, drafter=None) -> None:
     exp.mkdir(parents=True, exist_ok=True)
     cursor = Cursor(0, 2, 1)
     if drafter is not None:
-        from dflash_ray.runtime.training.step import make_optimizer
+        from dflash_ray.runtime.training.model import make_optimizer
 
         opt, sched = make_optimizer(spec.train, drafter, 10)
         write_checkpoint(exp / "checkpoint_x", drafter=drafter, optimizer=opt, scheduler=sched, cursor=cursor,
@@ -214,7 +214,7 @@ def test_export_does_not_read_the_shards(first_run, tmp_path, capsys):
     are all it needs)."""
     import torch
 
-    from dflash_ray.runtime.training.step import build_run_drafter
+    from dflash_ray.runtime.training.model import build_run_drafter
 
     args, shards, spec, table = first_run
     register_checkpoint(spec, build_run_drafter(spec, torch.device("cpu")))

@@ -51,9 +51,11 @@ def compare_orders(cfg, overrides: list[str], *, log=print, strategies=STRATEGIE
     from omegaconf import OmegaConf
 
     from dflash_ray.config import compose_config
+    from dflash_ray.demo.world import make_demo_inputs, make_missing_inputs
     from dflash_ray.runtime.cluster import ray_cluster
+    from dflash_ray.runtime.record.layout import RunLayout
+    from dflash_ray.runtime.record.ledger import read_jsonl
     from dflash_ray.runtime.record.record import last_metrics
-    from dflash_ray.runtime.record.ledger import LEDGER, read_jsonl
     from dflash_ray.runtime.spec import resolve_spec
     from dflash_ray.train import main_job
 
@@ -80,7 +82,7 @@ def compare_orders(cfg, overrides: list[str], *, log=print, strategies=STRATEGIE
                 "final_loss": summary["final_loss"], "heldout_tau": tau.get("tau"),
                 "losses": [m["loss"] for m in metrics],
                 **roughness([m["loss"] for m in metrics]),
-                **bucket_usage(read_jsonl(Path(spec.run_dir) / LEDGER), num_buckets),
+                **bucket_usage(read_jsonl(RunLayout(spec.run_dir).ledger), num_buckets),
                 "run_dir": spec.run_dir}
     out_dir.mkdir(parents=True, exist_ok=True)
     pngs = plot_comparison(rows, out_dir)

@@ -17,14 +17,15 @@ from dflash_ray.runtime.record.layout import RunLayout
 from dflash_ray.runtime.record.ledger import read_jsonl, verify_ledger
 
 
-def build_summary(run_spec, plan_summary: dict, report: dict, *, started: float, wall_seconds: float) -> dict:
+def build_summary(run_spec, plans, plan_summary: dict, report: dict, *, started: float, wall_seconds: float) -> dict:
+    """plans: the run's RunPlans (spec.py); the ledger is checked against each epoch's planned batches."""
     metrics = last_metrics(run_spec.run_dir)
     files = RunLayout(run_spec.run_dir)
     ledger = read_jsonl(files.ledger)
     cursor, checkpoint = latest_checkpoint(run_spec.experiment_dir)
     finished = list(range(cursor.epoch))
     epochs = sorted({int(r["epoch"]) for r in ledger} | set(finished))
-    check = verify_ledger(ledger, plan_sizes(run_spec, epochs), finished_epochs=finished)
+    check = verify_ledger(ledger, {e: plans(e).num_batches for e in epochs}, finished_epochs=finished)
     now = [m for m in metrics if m.get("time", 0) >= started]   # steps trained by this invocation
     base = now or metrics                                      # (a rerun of a finished run trains none)
     steady = base[1:]
@@ -91,11 +92,3 @@ def measured_rates(targets: dict, metrics: list, drafter_workers: int) -> dict:
     return {"target_tokens_per_second_per_actor": tokens / busy if busy > 0 else None,
             "drafter_tokens_per_second_per_worker": float(np.median(per_worker)) if per_worker else None,
             "trainer_wait_fraction": float(sum(waits) / sum(steps)) if sum(steps) > 0 else None}
-
-
-def plan_sizes(run_spec, epochs) -> dict:
-    """Planned batches of each epoch (the shards' lengths read once)."""
-    from dflash_ray.data.shards import read_lengths
-
-    lengths = read_lengths(run_spec.shards)
-    return {e: run_spec.build_plan(e, lengths=lengths).num_batches for e in epochs}

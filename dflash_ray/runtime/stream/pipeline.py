@@ -226,25 +226,17 @@ class DatasetFactory:
     trainers can host none, the run falls back to one stream of all rows over actors anywhere (features
     then cross nodes; the run record counts those bytes)."""
 
-    def __init__(self, run_spec, tokens_ref, experiment_dir: str):
-        self.run_spec = run_spec
+    def __init__(self, run_spec, plans, tokens_ref):
+        self.run_spec, self.plans = run_spec, plans   # plans: the driver's RunPlans (spec.py), built there
         self.tokens = _Ref(tokens_ref)
-        self.experiment_dir = experiment_dir
 
     def feed(self):
         from dflash_ray.runtime.training.checkpoint import latest_checkpoint
         from dflash_ray.runtime.stream.feed import build_feed
 
         s = self.run_spec
-        cursor, _ = latest_checkpoint(self.experiment_dir)
-        plans = {}
-
-        def plan_for(e):
-            if e not in plans:
-                plans[e] = s.build_plan(e)
-            return plans[e]
-
-        return build_feed(plan_for, cursor, s.batches_per_step, s.train.epochs, s.train.max_steps)
+        cursor, _ = latest_checkpoint(s.experiment_dir)
+        return build_feed(self.plans, cursor, s.batches_per_step, s.train.epochs, s.train.max_steps)
 
     def splits(self, world_size: int, worker_node_ids: list) -> list:
         """One iterator per rank, rank r's rows in order."""

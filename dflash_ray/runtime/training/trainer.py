@@ -36,7 +36,8 @@ def _fresh_coordinator(run_spec):
     return run_spec if n == 0 else dataclasses.replace(run_spec, coordinator=f"{run_spec.coordinator}-{n}")
 
 
-def fit(run_spec, num_buckets: int, *, progress: bool = True) -> FitOutcome:
+def fit(run_spec, plans, num_buckets: int, *, progress: bool = True) -> FitOutcome:
+    """Train (or resume) the run on Ray. plans: the run's RunPlans (spec.py), built in the driver."""
     import ray
     from ray.data import DataContext
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
@@ -84,13 +85,13 @@ def fit(run_spec, num_buckets: int, *, progress: bool = True) -> FitOutcome:
                 checkpoint_config=CheckpointConfig(num_to_keep=t.num_to_keep),
                 failure_config=FailureConfig(max_failures=t.max_failures)),
             datasets={"train": ray.data.range(1)},   # a placeholder: the streams are built per node by the config
-            dataset_config=NodeLocalDataConfig(DatasetFactory(spec, tokens_ref, spec.experiment_dir), exec_opts),
+            dataset_config=NodeLocalDataConfig(DatasetFactory(spec, plans, tokens_ref), exec_opts),
         )
 
     failure = result = None
     try:
         with Progress(record, enabled=progress):
-            for spec in stream_windows(run_spec, coord, record):
+            for spec in stream_windows(run_spec, plans, coord, record):
                 try:
                     result = trainer_for(spec).fit()
                 except TrainingFailedError as e:  # Ray Train gave up: after train.max_failures restarts
@@ -114,7 +115,7 @@ def fit(run_spec, num_buckets: int, *, progress: bool = True) -> FitOutcome:
     return FitOutcome(report=report, started=t0, wall_seconds=time.time() - t0)
 
 
-def stream_windows(run_spec, coord, record):
+def stream_windows(run_spec, plans, coord, record):
     """The run as a series of Ray Train fits of at most `train.stream_window_rows` feed rows each (0: one fit
     for the whole run). Ray Data keeps per-block state for a whole stream (its split coordinator grows ~25 KB
     a row: benchmarks/bench_load.py), so a stream over the 280K rows of a long run would hold gigabytes; a
@@ -127,8 +128,8 @@ def stream_windows(run_spec, coord, record):
     from dflash_ray.runtime.training.checkpoint import latest_checkpoint
     from dflash_ray.runtime.stream.pipeline import DatasetFactory
 
-    rows = int(getattr(run_spec.train, "stream_window_rows", 0) or 0)
-    run_end = DatasetFactory(run_spec, None, run_spec.experiment_dir).feed().total_steps
+    rows = run_spec.train.stream_window_rows
+    run_end = DatasetFactory(run_spec, plans, None).feed().total_steps   # every epoch's plan built here
     ray.get([coord.begin_window.remote(), record.set_run_total_steps.remote(run_end)])
     if rows <= 0:
         yield run_spec
@@ -213,7 +214,7 @@ def failure_error(run_spec, err: Exception) -> UserError:
             return e
     cause = _cause(run_spec, failures) if failures else _one_line(err)
     if failures:  # a WorkerGroupError: Ray Train retries those, up to max_failures
-        k = int(run_spec.train.max_failures)
+        k = run_spec.train.max_failures
         times = "once" if k == 0 else f"{k + 1} times"
         return UserError(f"training failed {times}, more than train.max_failures={k} allows; the last failure: "
                          f"{cause}; {resume_point(run_spec)}")
