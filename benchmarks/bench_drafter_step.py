@@ -71,7 +71,7 @@ def parse_args():
     p.add_argument("--threads", type=int, default=1, help="CPU threads (1: steadier on a shared machine)")
     p.add_argument("--anchors-per-batch", type=int, default=None,
                    help="the per-batch anchor budget (model.anchors_per_batch; Qwen3-8B config: 512)")
-    p.add_argument("--checkpoint-layers", action="store_true", help="train.checkpoint_layers: recompute layers")
+    p.add_argument("--checkpoint-layers", action="store_true", help="train.recompute_layers: recompute layers")
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     p.add_argument("--check", action="store_true", help="exit 1 when any goal fails")
     return p.parse_args()
@@ -137,7 +137,7 @@ def main():
     head = torch.randn(shape["vocab"], shape["hidden"], dtype=head_dtype, device=device) * 0.02
     drafter = DFlashDrafter(config, embed, head, num_anchors=shape["anchors"], attention_backend=args.backend,
                             ce_chunk_rows=args.ce_chunk_rows, anchors_per_batch=args.anchors_per_batch).to(device)
-    drafter.checkpoint_layers = args.checkpoint_layers
+    drafter.recompute_layers = args.recompute_layers
     compiled = cuda and not args.no_compile
     if compiled:
         drafter.compile_layers()
@@ -199,7 +199,7 @@ def main():
     _, valid = drafter.sample_anchors(loss_mask, lengths, torch.Generator().manual_seed(0))
     model = drafter_step_memory(Shape.of(target_cfg), draft_layers=shape["layers"], taps=n_tap,
                                 block_tokens=int(valid.sum()) * shape["block"], context_tokens=bsz * s, gpu=cuda,
-                                frozen_bytes=2 if cuda else 4, checkpoint_layers=args.checkpoint_layers,
+                                frozen_bytes=2 if cuda else 4, recompute_layers=args.recompute_layers,
                                 mask_pairs=bsz * n_anchor * shape["block"] * (s + n_anchor * shape["block"]))
     model_gib = model["total"] / 2**30
 
@@ -251,7 +251,7 @@ def main():
             "device": rows[0][1], "shape": shape, "batch": bsz, "context": s, "anchors_per_row": n_anchor,
             "anchors_per_batch": args.anchors_per_batch, "blocks": int(out.num_blocks), "compiled": compiled,
             "step_ms_median": elapsed * 1e3, "peak_memory_gib": peak_mem, "memory": mem_label,
-            "memory_model_gib": model_gib, "checkpoint_layers": args.checkpoint_layers,
+            "memory_model_gib": model_gib, "recompute_layers": args.recompute_layers,
             "tflop_per_step": flops / 1e12, "mfu": mfu, "peak_tflops": peak / 1e12, "losses_finite": finite,
             "goals": [{"what": w, "value": v, "pass": ok, "note": n} for w, v, ok, n in goals]})
     if args.check and failed:

@@ -6,7 +6,7 @@
     features     bf16 context features on the device -> the row encoding (int16 bits) -> back, bit for bit
     checkpoint   write_checkpoint / load_checkpoint of a drafter, AdamW and scheduler living on the device;
                  the restored weights and optimizer state equal the saved ones
-    recompute    train.checkpoint_layers: one training step with the layers checkpointed (flex attention
+    recompute    train.recompute_layers: one training step with the layers checkpointed (flex attention
                  and bf16 autocast on CUDA; SDPA on the CPU) gives the loss and gradients of the plain step
     host_copy    (CUDA) a batch of context features (8K tokens x 5 taps x 4096, bf16) copied host -> device
                  from pageable memory (what the trainer does today) and from pinned memory: GB/s of each,
@@ -155,7 +155,7 @@ def check_recompute(device) -> dict:
 
     def run(flag):
         drafter.zero_grad()
-        drafter.checkpoint_layers = flag
+        drafter.recompute_layers = flag
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
             out = drafter.training_loss(ids, mask, context, lengths, torch.Generator().manual_seed(1))
         (out.loss_sum / out.weight_sum).backward()

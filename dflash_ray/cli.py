@@ -241,7 +241,7 @@ def plan_memory(cfg, plan) -> dict:
     return memory_report(plan, target, draft_layers=int(m.num_draft_layers), layer_ids=layer_ids, use_gpu=bool(c.use_gpu),
                          stored_bytes=4 if "32" in dtype else 2, device_memory_gib=float(c.device_memory_gb),
                          drafter_share=float(c.drafter_gpus), target_share=float(c.target_gpus),
-                         checkpoint_layers=bool(cfg.train.checkpoint_layers),
+                         recompute_layers=bool(cfg.train.recompute_layers),
                          drafter_sizes={"intermediate": m.drafter_intermediate_size,
                                         "heads": m.drafter_num_attention_heads,
                                         "kv_heads": m.drafter_num_key_value_heads})

@@ -132,7 +132,7 @@ class TrainConfig:
     checkpoint_upload: str = "async"               # async: Ray Train uploads while training goes on; sync: waits
     num_to_keep: int = 2             # checkpoints kept
     max_failures: int = 3            # worker-group restarts (from the last checkpoint) before the run fails
-    stream_window_rows: int = 20000  # feed rows per Ray Data stream (a fit of its own, from a checkpoint); 0: one
+    stream_segment_rows: int = 20000  # feed rows per Ray Data stream (a fit of its own, from a checkpoint); 0: one
     max_nonfinite_steps: int = 10    # stop after this many NaN/Inf steps in a row (skipped, counted; 0: never stop)
     storage_path: Optional[str] = None  # Ray Train storage (null: <run.dir>/ray_train; shared on multi-node)
     tensorboard: bool = False        # the older switch: the same as adding tensorboard to trackers
@@ -142,7 +142,7 @@ class TrainConfig:
     wandb_mode: Optional[str] = None       # online | offline | disabled; null: $WANDB_MODE, else online when logged in
     heldout_every: int = 0           # held-out tau every N steps during training (0: only after training)
     compile: bool = True             # CUDA: torch.compile the drafter's layers (flex attention fuses in them)
-    checkpoint_layers: bool = False  # activation checkpointing of the drafter's layers: recompute in backward
+    recompute_layers: bool = False  # activation checkpointing of the drafter's layers: recompute in backward
 
 
 @dataclass
@@ -198,12 +198,12 @@ MINIMUM = {"model.block_size": 2, "model.num_draft_layers": 1, "model.num_anchor
            "cluster.stream_block_mb": 0, "cluster.device_memory_gb": 0.1,
            "train.epochs": 1, "train.lr": 0.0, "train.warmup_ratio": 0.0, "train.grad_accum": 1,
            "train.checkpoint_every": 0, "train.checkpoint_every_minutes": 0.0, "train.num_to_keep": 1,
-           "train.max_failures": 0, "train.stream_window_rows": 0, "train.max_nonfinite_steps": 0,
+           "train.max_failures": 0, "train.stream_segment_rows": 0, "train.max_nonfinite_steps": 0,
            "train.heldout_every": 0,
            "eval.max_new_tokens": 1, "regenerate.max_new_tokens": 1, "regenerate.batch_size": 1}
 # what the least value means, where it means more than a number (said with the minimum)
 AT_LEAST = {"data.attention_tokens": "0: no attention term", "cluster.stream_block_mb": "0: one plan batch a block",
-            "train.stream_window_rows": "0: one stream for the whole run", "train.max_nonfinite_steps": "0: never stop"}
+            "train.stream_segment_rows": "0: one stream for the whole run", "train.max_nonfinite_steps": "0: never stop"}
 
 
 # ----------------------------------------------------------------------------- composition
@@ -219,7 +219,14 @@ def _flat_keys(cfg: Any, prefix: str = "") -> List[str]:
     return keys
 
 
+# keys renamed, with their new names: an old config gets the new name in its error line
+RENAMED = {"train.checkpoint_layers": "train.recompute_layers",        # activation recompute, not checkpoints
+           "train.stream_window_rows": "train.stream_segment_rows"}    # "window" is the flight window's word
+
+
 def _closest(key: str, known: List[str]) -> str:
+    if key in RENAMED:
+        return f" (renamed: use '{RENAMED[key]}')"
     best = difflib.get_close_matches(key, known, n=1, cutoff=0.5)
     if not best:  # compare last components, e.g. `train.lrr` vs `train.lr`
         leaf = key.rsplit(".", 1)[-1]

@@ -35,6 +35,14 @@ def test_nothing_reads_a_removed_knob(capsys):
     assert "unknown config key 'train.log_every'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("old, new", [("train.checkpoint_layers=true", "train.recompute_layers"),
+                                      ("train.stream_window_rows=5", "train.stream_segment_rows")])
+def test_a_renamed_key_names_its_new_name(old, new, capsys):
+    assert main(["train", "--cfg", "job", old]) == 2
+    assert f"(renamed: use '{new}')" in capsys.readouterr().err
+    assert main(["train", "--cfg", "job", f"{new}={old.split('=')[1]}"]) == 0
+
+
 def test_a_missing_required_value_is_one_line_before_ray_starts(tmp_path, capsys):
     """The 8-GPU job's usage without data.tokenizer: one line naming the key, exit 2, no cluster start."""
     import ray

@@ -50,7 +50,7 @@ def test_checkpointing_the_layers_and_the_anchor_budget_shrink_the_step():
     shape = Shape.of(QWEN3_8B)
     kw = dict(draft_layers=5, taps=5, context_tokens=16384, gpu=True, frozen_bytes=2)
     full = drafter_step_memory(shape, block_tokens=8192, **kw)["activations"]
-    assert drafter_step_memory(shape, block_tokens=8192, checkpoint_layers=True, **kw)["activations"] < full / 2
+    assert drafter_step_memory(shape, block_tokens=8192, recompute_layers=True, **kw)["activations"] < full / 2
     assert drafter_step_memory(shape, block_tokens=4096, **kw)["activations"] < full
 
 
@@ -93,7 +93,7 @@ def test_plan_warns_when_a_share_of_the_gpu_is_too_small(qwen3_8b_world, capsys)
     assert run_command("plan", qwen3_8b_world + ["cluster.device_memory_gb=30"]) == 0  # drafter ~39 GiB
     lines = capsys.readouterr().out.splitlines()
     warnings = [x for x in lines if x.startswith("WARNING")]
-    assert len(warnings) == 1 and "the drafter step needs" in warnings[0] and "train.checkpoint_layers" in warnings[0]
+    assert len(warnings) == 1 and "the drafter step needs" in warnings[0] and "train.recompute_layers" in warnings[0]
 
 
 def test_moe_targets_count_their_experts_and_the_drafter_its_own_sizes():

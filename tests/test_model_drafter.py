@@ -368,7 +368,7 @@ def test_only_trainable_weights_get_gradients(setup):
 
 
 def test_checkpointed_layers_give_the_same_loss_and_gradients_and_keep_less(setup):
-    """train.checkpoint_layers recomputes each layer in backward: the same numbers, fewer saved tensors
+    """train.recompute_layers recomputes each layer in backward: the same numbers, fewer saved tensors
     (counted with saved-tensor hooks: the memory model's claim that a layer then keeps only its input).
     SDPA only: flex attention has no backward on the CPU (the CUDA path runs in benchmarks/gpu_check.py)."""
     backend = "sdpa"
@@ -378,7 +378,7 @@ def test_checkpointed_layers_give_the_same_loss_and_gradients_and_keep_less(setu
 
     def run(flag):
         d.zero_grad()
-        d.checkpoint_layers, d.attention_backend = flag, backend
+        d.recompute_layers, d.attention_backend = flag, backend
         count = [0]
 
         def pack(t):
@@ -392,7 +392,7 @@ def test_checkpointed_layers_give_the_same_loss_and_gradients_and_keep_less(setu
             saved[flag] = count[0]
             (out.loss_sum / out.weight_sum).backward()
         finally:
-            d.checkpoint_layers, d.attention_backend = False, "auto"
+            d.recompute_layers, d.attention_backend = False, "auto"
         return out.loss_sum.detach(), {n: p.grad.clone() for n, p in d.named_parameters()}
 
     loss0, grads0 = run(False)

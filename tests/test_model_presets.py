@@ -278,7 +278,7 @@ def test_run_spec_checks_the_knobs_against_the_target(family_dirs):
 # ----------------------------------------------------------------------------- warm start
 def _run_spec(target_dir, cfg, init_from, seed=11):
     return SimpleNamespace(target_path=target_dir, drafter=cfg, seed=seed, init_from=init_from,
-                           train=SimpleNamespace(checkpoint_layers=False))
+                           train=SimpleNamespace(recompute_layers=False))
 
 
 def test_warm_start_gives_the_export_weights(knob_export, family_dirs):
@@ -292,7 +292,7 @@ def test_warm_start_gives_the_export_weights(knob_export, family_dirs):
     warm = build_run_drafter(_run_spec(family_dirs["llama"], cfg, knob_export["dir"]), torch.device("cpu"))
     for name, value in exported.items():
         assert torch.equal(warm.state_dict()[name], value), name
-    assert warm.checkpoint_layers is False and warm.block_size == BLOCK
+    assert warm.recompute_layers is False and warm.block_size == BLOCK
 
 
 def test_warm_start_keeps_the_runs_dtype(knob_export, tmp_path):

@@ -175,7 +175,7 @@ def test_run_drafter_is_the_seeded_drafter_on_its_device(tmp_path, tied):
     target = load_target(target_dir)
     cfg = DrafterConfig(num_draft_layers=1, block_size=BLOCK, num_anchors=8, mask_token_id=MASK)
     spec = SimpleNamespace(target_path=target_dir, drafter=cfg, seed=17, init_from=None,
-                           train=SimpleNamespace(checkpoint_layers=tied))  # the run's activation checkpointing
+                           train=SimpleNamespace(recompute_layers=tied))  # the run's activation checkpointing
     state = torch.get_rng_state()
     drafter = build_run_drafter(spec, torch.device("cpu"))
     assert torch.equal(torch.get_rng_state(), state)
@@ -188,4 +188,4 @@ def test_run_drafter_is_the_seeded_drafter_on_its_device(tmp_path, tied):
         assert torch.equal(drafter.state_dict()[name], value), name
     assert torch.equal(drafter.head_weight, target.lm_head.weight)
     assert all(p.device.type == "cpu" for p in drafter.parameters())
-    assert drafter.checkpoint_layers == tied
+    assert drafter.recompute_layers == tied

@@ -153,8 +153,8 @@ class DFlashDrafter(nn.Module):
         self.attention_backend = attention_backend
         self.ce_chunk_rows = int(ce_chunk_rows)
         # activation checkpointing: each layer keeps only its input for backward and recomputes the rest
-        # (sizing/memory.py counts both ways); set by the runtime from train.checkpoint_layers
-        self.checkpoint_layers = False
+        # (sizing/memory.py counts both ways); set by the runtime from train.recompute_layers
+        self.recompute_layers = False
         if self.block_size < 2:
             raise ValueError(f"block_size must be >= 2, got {self.block_size}")
 
@@ -261,7 +261,7 @@ class DFlashDrafter(nn.Module):
         ctx_cos, ctx_sin = self.rotary_emb(ctx_h, ctx_pos)
         cos, sin = self.rotary_emb(x, blk_pos)
         mask = training_mask(anchors, seq, bs, self.attention_backend)
-        recompute = self.checkpoint_layers and torch.is_grad_enabled()
+        recompute = self.recompute_layers and torch.is_grad_enabled()
         for layer in self.layers:
             if recompute:
                 x = torch.utils.checkpoint.checkpoint(layer, x, ctx_h, ctx_cos, ctx_sin, cos, sin, mask,

@@ -1,4 +1,4 @@
-"""RunCoordinator: the flight window and the attempt/window bookkeeping of a run, one async actor pinned
+"""RunCoordinator: the flight window and the attempt/segment bookkeeping of a run, one async actor pinned
 to the driver's node that outlives trainer restarts. What the run writes is the RunRecord's
 (record/record.py); this actor only decides when the stream may move on.
 
@@ -6,9 +6,9 @@ to the driver's node that outlives trainer restarts. What the run writes is the 
   when its last feed row index < consumed + window (cluster.max_batches_in_flight; with blocks of several
   tiny batches, a step and two rounds of blocks: see reset_feed), so the object store never holds more
   than that many batches' features, and the rows a step needs always fit: the window cannot deadlock.
-  Each stream (a first start, a restart, a stream window) is a new generation of row indices.
-* attempts: every start of the train function (a restart is a start after the first of its window), and
-  the windows of a run (training/trainer.py stream_windows: one fit per window of feed rows).
+  Each stream (a first start, a restart, the next stream segment) is a new generation of row indices.
+* attempts: every start of the train function (a restart is a start after the first of its segment), and
+  the stream segments of a run (training/trainer.py stream_segments: one fit per segment of feed rows).
 """
 from __future__ import annotations
 
@@ -30,8 +30,8 @@ class RunCoordinator:
         self.max_in_flight = 0
         self.feed: dict = {}
         self.attempts = 0             # train-function starts, over the whole run (checkpoint records name them)
-        self.windows = 0              # fits of the run
-        self.window_attempts = 0      # starts within the current window (restarts = window_attempts - 1)
+        self.segments = 0             # fits of the run (stream segments)
+        self.segment_attempts = 0     # starts within the current segment (restarts = segment_attempts - 1)
         self.started = time.time()
         self.timeline: dict[str, float] = {}
         self.tags = {"run": run_name}
@@ -87,18 +87,18 @@ class RunCoordinator:
                 self.in_flight.set(max(self.admitted + 1 - self.consumed, 0), tags=self.tags)
                 self.cond.notify_all()
 
-    # ------------------------------------------------------------ attempts and windows
-    def begin_window(self) -> None:
-        """A fit of the next window of the run starts: its first worker group is no restart."""
-        self.windows += 1
-        self.window_attempts = 0
+    # ------------------------------------------------------------ attempts and stream segments
+    def begin_segment(self) -> None:
+        """A fit of the next stream segment of the run starts: its first worker group is no restart."""
+        self.segments += 1
+        self.segment_attempts = 0
 
     def begin_attempt(self) -> dict:
         """Rank 0 of a (re)started worker group: its attempt number, and whether it is a restart."""
         self.attempts += 1
-        self.window_attempts += 1
-        return {"attempt": self.attempts, "restarted": self.window_attempts > 1}
+        self.segment_attempts += 1
+        return {"attempt": self.attempts, "restarted": self.segment_attempts > 1}
 
     def report(self) -> dict:
-        return {"attempts": self.attempts, "windows": self.windows, "max_batches_in_flight": self.max_in_flight,
+        return {"attempts": self.attempts, "segments": self.segments, "max_batches_in_flight": self.max_in_flight,
                 "window": self.window, "rows_per_block": self.rows_per_block, "timeline": dict(self.timeline)}

@@ -104,7 +104,7 @@ def drafter_params(shape: Shape, draft_layers: int, taps: int) -> int:
 
 
 def drafter_step_memory(shape: Shape, *, draft_layers: int, taps: int, block_tokens: int, context_tokens: int,
-                        gpu: bool, frozen_bytes: int, checkpoint_layers: bool = False, mask_pairs: int = 0,
+                        gpu: bool, frozen_bytes: int, recompute_layers: bool = False, mask_pairs: int = 0,
                         ce_chunk_rows: int = 1024, optimizer: bool = True) -> dict:
     """Bytes of each part of one drafter training step's peak, and their total."""
     h = shape.hidden
@@ -116,7 +116,7 @@ def drafter_step_memory(shape: Shape, *, draft_layers: int, taps: int, block_tok
     # context: the masked copy of the features (taps x H, as they arrive), fc's output and its norm (2H)
     block_once = 4 * h
     ctx_once_elems = 2 * h
-    if checkpoint_layers:   # each layer keeps its input (block tokens x H); one layer recomputed at a time
+    if recompute_layers:   # each layer keeps its input (block tokens x H); one layer recomputed at a time
         layers_bytes = act * (block_tokens * (draft_layers * h + per_block_layer) + context_tokens * per_ctx_layer)
     else:
         layers_bytes = act * draft_layers * (block_tokens * per_block_layer + context_tokens * per_ctx_layer)
@@ -151,7 +151,7 @@ def target_actor_memory(shape: Shape, *, last_tap: int, taps: int, tokens: int, 
 
 def memory_report(plan, target: dict, *, draft_layers: int, layer_ids: list[int], use_gpu: bool,
                   stored_bytes: int, device_memory_gib: float, drafter_share: float, target_share: float,
-                  checkpoint_layers: bool, drafter_sizes: dict | None = None) -> dict:
+                  recompute_layers: bool, drafter_sizes: dict | None = None) -> dict:
     """The drafter step's estimated peak for every batch of the plan (the worst one reported, and the
     spread over buckets) and the target actor's for the longest batch, against the device's memory per
     process (its share of the GPU). Text lines, figures, warnings. stored_bytes: the element size of the
@@ -161,7 +161,7 @@ def memory_report(plan, target: dict, *, draft_layers: int, layer_ids: list[int]
     shape = target_shape.drafter(**(drafter_sizes or {}))
     taps = len(layer_ids)
     parts = plan_drafter_parts(plan, shape, draft_layers=draft_layers, taps=taps, gpu=use_gpu,
-                               frozen_bytes=stored_bytes if use_gpu else 4, checkpoint_layers=checkpoint_layers)
+                               frozen_bytes=stored_bytes if use_gpu else 4, recompute_layers=recompute_layers)
     peaks = np.array([p["total"] for p in parts])
     worst = int(np.argmax(peaks))
     drafter = parts[worst]
@@ -178,7 +178,7 @@ def memory_report(plan, target: dict, *, draft_layers: int, layer_ids: list[int]
             f"{g(drafter['total'])}",
             f"  weights+grads+AdamW {g(drafter['weights'] + drafter['gradients'] + drafter['optimizer'])}, "
             f"frozen embed/head {g(drafter['frozen_embed_head'])}, features {g(drafter['context_features'])}, "
-            f"activations {g(drafter['activations'])}{' (layers checkpointed)' if checkpoint_layers else ''}, "
+            f"activations {g(drafter['activations'])}{' (layers checkpointed)' if recompute_layers else ''}, "
             f"loss chunk {g(drafter['loss_chunk'])}" + (f", dense mask {g(drafter['dense_mask'])}" if drafter["dense_mask"] else ""),
             f"  worst batch of each bucket, max/min: {max(by_bucket) / min(by_bucket):.2f}",
             f"  target actor {g(target_mem['total'])}: weights {g(target_mem['weights'])}, "
@@ -187,7 +187,7 @@ def memory_report(plan, target: dict, *, draft_layers: int, layer_ids: list[int]
     if use_gpu:
         for name, need, share, hint in (
                 ("drafter step", drafter["total"], drafter_share,
-                 "lower model.anchors_per_batch or data.max_tokens_per_batch, or set train.checkpoint_layers=true"),
+                 "lower model.anchors_per_batch or data.max_tokens_per_batch, or set train.recompute_layers=true"),
                 ("target actor", target_mem["total"], target_share,
                  "lower data.max_tokens_per_batch or give it more of a GPU (cluster.target_gpus)")):
             have = device_memory_gib * share * GIB
@@ -200,7 +200,7 @@ def memory_report(plan, target: dict, *, draft_layers: int, layer_ids: list[int]
 
 
 def plan_drafter_parts(plan, shape: Shape, *, draft_layers: int, taps: int, gpu: bool, frozen_bytes: int,
-                       checkpoint_layers: bool) -> list[dict]:
+                       recompute_layers: bool) -> list[dict]:
     """drafter_step_memory of every batch of a plan: its trained anchors x block size,
     its padded context tokens, and (CPU) its dense mask, rows x queries x keys with the anchors spread
     evenly over the rows."""
@@ -212,5 +212,5 @@ def plan_drafter_parts(plan, shape: Shape, *, draft_layers: int, taps: int, gpu:
     padded = plan.padded_tokens()
     return [drafter_step_memory(shape, draft_layers=draft_layers, taps=taps, block_tokens=int(t) * block,
                                 context_tokens=int(c), gpu=gpu, frozen_bytes=frozen_bytes,
-                                checkpoint_layers=checkpoint_layers, mask_pairs=int(m))
+                                recompute_layers=recompute_layers, mask_pairs=int(m))
             for t, c, m in zip(trained, padded, pairs)]

@@ -56,7 +56,7 @@ class RunRecord:
         self.workers: dict[int, dict] = {}
         self.last: dict = {}
         self.stream_total_steps = 0   # the current stream's last step
-        self.run_total_steps = 0      # the run's last step (a window's stream ends earlier)
+        self.run_total_steps = 0      # the run's last step (a stream segment ends earlier)
         self.step_times: list[tuple[float, int]] = []
         self.pending_metrics: dict = {}   # an upload's seconds, for the next metrics line
         self.checkpoints: list[dict] = []
@@ -305,7 +305,7 @@ class RunRecord:
                 "failures_survived": self.failures_survived(), "epoch": self.last.get("epoch")}
 
     def set_run_total_steps(self, total_steps: int) -> None:
-        """The run's last step (a window's stream ends earlier: training/trainer.py stream_windows)."""
+        """The run's last step (a stream segment ends earlier: training/trainer.py stream_segments)."""
         self.run_total_steps = int(total_steps)
 
     async def report(self, eval_timeout: float = 600.0) -> dict:

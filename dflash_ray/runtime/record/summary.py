@@ -58,7 +58,7 @@ def build_summary(run_spec, plans, plan_summary: dict, report: dict, *, started:
         "checkpoint_cost": report.get("checkpoint_cost"),
         "target_busy_by_bucket": report["target_busy_by_bucket"],
         "token_store": report.get("token_store"),
-        "stream_windows": report.get("windows"),
+        "stream_segments": report.get("segments"),
         "placement": report.get("placement"), "feature_traffic": report.get("feature_traffic"),
         "target_busy_max_over_min": report["target_busy_max_over_min"],
         "timeline_seconds": report.get("timeline", {}),

@@ -49,7 +49,7 @@ def build_run_drafter(run_spec, device):
     embed, head = load_embed_and_head(run_spec.target_path)
     target_config = AutoConfig.from_pretrained(run_spec.target_path)
     drafter = build_drafter(run_spec.drafter, target_config, embed, head, seed=run_spec.seed, device=device)
-    drafter.checkpoint_layers = run_spec.train.checkpoint_layers
+    drafter.recompute_layers = run_spec.train.recompute_layers
     init_from = run_spec.init_from
     if init_from:  # warm start: step 0's weights; a resume then loads its checkpoint over them as before
         from dflash_ray.errors import UserError

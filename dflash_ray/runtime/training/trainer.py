@@ -91,7 +91,7 @@ def fit(run_spec, plans, num_buckets: int, *, progress: bool = True) -> FitOutco
     failure = result = None
     try:
         with Progress(record, enabled=progress):
-            for spec in stream_windows(run_spec, plans, coord, record):
+            for spec in stream_segments(run_spec, plans, coord, record):
                 try:
                     result = trainer_for(spec).fit()
                 except TrainingFailedError as e:  # Ray Train gave up: after train.max_failures restarts
@@ -115,12 +115,13 @@ def fit(run_spec, plans, num_buckets: int, *, progress: bool = True) -> FitOutco
     return FitOutcome(report=report, started=t0, wall_seconds=time.time() - t0)
 
 
-def stream_windows(run_spec, plans, coord, record):
-    """The run as a series of Ray Train fits of at most `train.stream_window_rows` feed rows each (0: one fit
+def stream_segments(run_spec, plans, coord, record):
+    """The run as a series of Ray Train fits of at most `train.stream_segment_rows` feed rows each (0: one fit
     for the whole run). Ray Data keeps per-block state for a whole stream (its split coordinator grows ~25 KB
     a row: benchmarks/bench_load.py), so a stream over the 280K rows of a long run would hold gigabytes; a
-    window ends at a step with a checkpoint (the loop checkpoints at its last step) and the next fit resumes
-    from it exactly, as a restart does. Yields the spec of each window (train.max_steps = its last step)."""
+    segment ends at a step with a checkpoint (the loop checkpoints at its last step) and the next fit resumes
+    from it exactly, as a restart does. Yields the spec of each segment (train.max_steps = its last step).
+    ("Segment", not "window": the flight window is the coordinator's bound on batches in flight.)"""
     import dataclasses
 
     import ray
@@ -128,22 +129,22 @@ def stream_windows(run_spec, plans, coord, record):
     from dflash_ray.runtime.training.checkpoint import latest_checkpoint
     from dflash_ray.runtime.stream.pipeline import DatasetFactory
 
-    rows = run_spec.train.stream_window_rows
+    rows = run_spec.train.stream_segment_rows
     run_end = DatasetFactory(run_spec, plans, None).feed().total_steps   # every epoch's plan built here
-    ray.get([coord.begin_window.remote(), record.set_run_total_steps.remote(run_end)])
+    ray.get([coord.begin_segment.remote(), record.set_run_total_steps.remote(run_end)])
     if rows <= 0:
         yield run_spec
         return
-    per_window = max(1, rows // run_spec.batches_per_step)
+    per_segment = max(1, rows // run_spec.batches_per_step)
     start, first = None, True
     while True:
         now = latest_checkpoint(run_spec.experiment_dir)[0].step
-        if not first and (now >= run_end or now == start):   # done, or the last window made no progress
+        if not first and (now >= run_end or now == start):   # done, or the last segment made no progress
             return
         start = now
-        end = min(run_end, start + per_window)
+        end = min(run_end, start + per_segment)
         if not first:
-            ray.get(coord.begin_window.remote())
+            ray.get(coord.begin_segment.remote())
         first = False
         yield dataclasses.replace(run_spec, train=dataclasses.replace(run_spec.train, max_steps=end))
         if end >= run_end:

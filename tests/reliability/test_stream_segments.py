@@ -1,4 +1,4 @@
-"""A run trained as several Ray Train fits of `train.stream_window_rows` feed rows each (Ray Data's
+"""A run trained as several Ray Train fits of `train.stream_segment_rows` feed rows each (Ray Data's
 per-stream state stays bounded on a long run) is the run trained as one: same ledger, same weights."""
 from __future__ import annotations
 
@@ -13,17 +13,17 @@ from dflash_ray.runtime.training.checkpoint import load_weights
 from dflash_ray.runtime.record.ledger import read_jsonl
 
 
-def test_a_run_in_windows_equals_the_run_in_one_stream(train_run, job_run):
-    # 12 feed rows a window at 2 batches a step: steps 1-6, then 7-10 of the reference's 10
-    _, s = train_run("windows", [*RUNTIME_RUN, "train.stream_window_rows=12"])
+def test_a_run_in_segments_equals_the_run_in_one_stream(train_run, job_run):
+    # 12 feed rows a segment at 2 batches a step: steps 1-6, then 7-10 of the reference's 10
+    _, s = train_run("segments", [*RUNTIME_RUN, "train.stream_segment_rows=12"])
     ref = job_run["summary"]
     assert ref["steps"] == 10 and s["steps"] == ref["steps"] and s["tokens"] == ref["tokens"]
-    assert s["stream_windows"] == 2 and s["trainer_restarts"] == 0
+    assert s["stream_segments"] == 2 and s["trainer_restarts"] == 0
     assert s["ledger"]["ok"] is True
-    run_dir = train_run.root / "windows"
+    run_dir = train_run.root / "segments"
     streams = [e for e in read_jsonl(run_dir / "events.jsonl") if e.get("event") == "streams"]
     assert len(streams) == 2
-    # each window ended with a checkpoint: the ledger's steps and the checkpoints' steps
+    # each segment ended with a checkpoint: the ledger's steps and the checkpoints' steps
     steps = [json.loads(line)["step"] for line in (run_dir / "ledger.jsonl").read_text().splitlines()]
     assert steps == list(range(1, 11))
     a, b = load_weights(Path(s["checkpoint"])), load_weights(Path(ref["checkpoint"]))
