@@ -25,7 +25,8 @@ import torch
 
 from helpers_cluster import RUNTIME_RUN, TrainRun, wait_for
 from dflash_ray.runtime.training.checkpoint import load_weights, read_state
-from dflash_ray.runtime.record.ledger import LEDGER, read_jsonl
+from dflash_ray.runtime.record.layout import LEDGER
+from dflash_ray.runtime.record.ledger import read_jsonl
 from dflash_ray.runtime.training.faults import TEST_FAULTS_ENV
 
 

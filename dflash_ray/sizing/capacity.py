@@ -12,7 +12,8 @@ that split was balanced), labelled as such. `dflash-ray plan cluster=...` prints
 from __future__ import annotations
 
 import json
-from pathlib import Path
+
+from dflash_ray.runtime.record.layout import RunLayout
 
 SEED_RUN = {"gpus": 8, "target": 6, "drafter": 2, "tokens_per_second": 25300.0}
 
@@ -39,7 +40,7 @@ def _rates(cfg) -> tuple[float, float, str]:
     t, d = c.target_tokens_per_gpu, c.drafter_tokens_per_gpu
     if t is not None and d is not None:
         return t, d, "config (cluster.target_tokens_per_gpu, cluster.drafter_tokens_per_gpu)"
-    summary = Path(cfg.run.dir) / "summary.json"
+    summary = RunLayout(cfg.run.dir).summary
     if summary.exists():
         try:
             s = json.loads(summary.read_text())

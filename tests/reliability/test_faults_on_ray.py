@@ -27,7 +27,8 @@ import torch
 
 from dflash_ray.errors import UserError
 from dflash_ray.runtime.training.checkpoint import latest_checkpoint, load_weights, read_snapshot, read_state
-from dflash_ray.runtime.record.ledger import LEDGER, read_jsonl
+from dflash_ray.runtime.record.layout import LEDGER
+from dflash_ray.runtime.record.ledger import read_jsonl
 from dflash_ray.runtime.training.faults import TEST_FAULTS_ENV
 from helpers_cluster import own_processes, wait_for
 

@@ -12,8 +12,6 @@ import os
 from collections import Counter
 from pathlib import Path
 
-LEDGER = "ledger.jsonl"
-
 
 def read_jsonl(path) -> list[dict]:
     path = Path(path)
