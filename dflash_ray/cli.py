@@ -140,8 +140,8 @@ def regenerate_command(cfg, args) -> int:
     log = (lambda *a, **k: print(*a, file=sys.stderr, **k)) if args.json else print
     with ray_cluster(cluster, log=log):
         counts = regenerate(source, output, target_dir=target, tokenizer_dir=tokenizer, cluster=cluster,
-                            max_new_tokens=int(cfg.regenerate.max_new_tokens),
-                            batch_size=int(cfg.regenerate.batch_size), log=log)
+                            max_new_tokens=cfg.regenerate.max_new_tokens,
+                            batch_size=cfg.regenerate.batch_size, log=log)
     if args.json:
         print(json.dumps(counts, indent=2))
     return 0
@@ -160,7 +160,7 @@ def prepare_command(cfg, args) -> int:
 
         log = (lambda *a, **k: print(*a, file=sys.stderr, **k)) if args.json else print
         with ray_cluster(OmegaConf.to_object(cfg.cluster), log=log):
-            summary = prepare_on_ray(*where, rows_per_task=int(cfg.data.prepare_rows_per_task),
+            summary = prepare_on_ray(*where, rows_per_task=cfg.data.prepare_rows_per_task,
                                      **options_from_config(cfg))
     else:
         summary = prepare(*where, progress=not args.json, **options_from_config(cfg))
@@ -219,7 +219,7 @@ def feature_bytes_per_token(cfg) -> float | None:
     if "hidden_size" not in text:
         return None
     m = cfg.model
-    taps = len(m.target_layer_ids or default_target_layer_ids(int(text["num_hidden_layers"]), int(m.num_draft_layers)))
+    taps = len(m.target_layer_ids or default_target_layer_ids(int(text["num_hidden_layers"]), m.num_draft_layers))
     return float(text["hidden_size"]) * taps * (2 if cfg.cluster.use_gpu else 4)
 
 
@@ -236,12 +236,12 @@ def plan_memory(cfg, plan) -> dict:
                          "directory with a config.json; a synthesised target is known once a run built it)"]}
     text = text_config(target)
     m, c = cfg.model, cfg.cluster
-    layer_ids = list(m.target_layer_ids or default_target_layer_ids(int(text["num_hidden_layers"]), int(m.num_draft_layers)))
+    layer_ids = list(m.target_layer_ids or default_target_layer_ids(int(text["num_hidden_layers"]), m.num_draft_layers))
     dtype = str(target.get("dtype") or target.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype") or "float32")
-    return memory_report(plan, target, draft_layers=int(m.num_draft_layers), layer_ids=layer_ids, use_gpu=bool(c.use_gpu),
-                         stored_bytes=4 if "32" in dtype else 2, device_memory_gib=float(c.device_memory_gb),
-                         drafter_share=float(c.drafter_gpus), target_share=float(c.target_gpus),
-                         recompute_layers=bool(cfg.train.recompute_layers),
+    return memory_report(plan, target, draft_layers=m.num_draft_layers, layer_ids=layer_ids, use_gpu=c.use_gpu,
+                         stored_bytes=4 if "32" in dtype else 2, device_memory_gib=c.device_memory_gb,
+                         drafter_share=c.drafter_gpus, target_share=c.target_gpus,
+                         recompute_layers=cfg.train.recompute_layers,
                          drafter_sizes={"intermediate": m.drafter_intermediate_size,
                                         "heads": m.drafter_num_attention_heads,
                                         "kv_heads": m.drafter_num_key_value_heads})
@@ -392,13 +392,13 @@ def eval_command(cfg, args) -> int:
         if dcfg.get(key) != want:
             raise UserError(f"{drafter_dir}: drafter {key} {dcfg.get(key)} does not fit target {target_dir} ({want})")
     tok = find_tokenizer(cfg.data.tokenizer, target_dir)
-    prompts = read_prompts(require(cfg, "data.prompts"), tok, int(cfg.eval.max_prompts))
+    prompts = read_prompts(require(cfg, "data.prompts"), tok, cfg.eval.max_prompts)
     vocab = int(tcfg["vocab_size"])
     for i, p in enumerate(prompts):
         if not p or min(p) < 0 or max(p) >= vocab:
             raise UserError(f"{cfg.data.prompts}: prompt {i + 1}: needs 1+ token ids in [0, {vocab}), got {p[:8]}")
     stop = [tok.eos_token_id] if tok is not None and tok.eos_token_id is not None else None
-    stats = evaluate_acceptance(drafter_dir, target_dir, prompts, int(cfg.eval.max_new_tokens), stop_token_ids=stop)
+    stats = evaluate_acceptance(drafter_dir, target_dir, prompts, cfg.eval.max_new_tokens, stop_token_ids=stop)
     print(json.dumps(stats, indent=2) if args.json else format_eval(stats))
     if stats["outputs_match_greedy"]:
         return 0

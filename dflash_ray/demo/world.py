@@ -55,15 +55,15 @@ def make_demo_inputs(cfg, log=print) -> DemoInputs | None:
     tok = AutoTokenizer.from_pretrained(str(require(cfg, "data.tokenizer")))
     if cfg.model.target_path is None:
         ensure_target(cfg, log=log)
-        if int(d.synthetic.target_steps) > 0:
+        if d.synthetic.target_steps > 0:
             _train_demo_target(cfg, tok, cfg.model.target_path, log)
-    if bool(d.synthetic.regenerate) and not Path(str(d.shards)).exists():
+    if d.synthetic.regenerate and not Path(str(d.shards)).exists():
         d.input = _regenerate_demo(cfg, layout, cfg.model.target_path, log)
     ensure_shards(cfg, log=log)
-    if int(d.synthetic.heldout_prompts) > 0:
+    if d.synthetic.heldout_prompts > 0:
         d.prompts = str(write_heldout(cfg, tok, layout.heldout, log=log))
     return DemoInputs(corpus=str(d.input), tokenizer=str(d.tokenizer), target=str(cfg.model.target_path),
-                      shards=str(d.shards), heldout=str(d.prompts) if int(d.synthetic.heldout_prompts) > 0 else None)
+                      shards=str(d.shards), heldout=str(d.prompts) if d.synthetic.heldout_prompts > 0 else None)
 
 
 def make_missing_inputs(cfg, log=print) -> None:
@@ -85,7 +85,7 @@ def ensure_corpus(cfg, log=print) -> bool:
         corpus = layout.corpus
         if not corpus.exists():
             write_corpus(corpus, d.synthetic.num_conversations, min_tokens=d.synthetic.min_tokens,
-                         max_tokens=d.synthetic.max_tokens, seed=int(cfg.seed))
+                         max_tokens=d.synthetic.max_tokens, seed=cfg.seed)
             log(f"generated {d.synthetic.num_conversations} synthetic conversations -> {corpus}")
         d.input = str(corpus)
     if synthetic and not OmegaConf.is_missing(d, "tokenizer") and d.tokenizer is None:
@@ -110,7 +110,7 @@ def ensure_target(cfg, log=print) -> None:
     target = RunLayout(Path(cfg.run.dir).resolve()).target
     if not (target / "config.json").exists():
         m = cfg.model
-        build_synthetic_target(dict(m.target_config), vocab, str(target), seed=int(cfg.seed))
+        build_synthetic_target(dict(m.target_config), vocab, str(target), seed=cfg.seed)
         log(f"built a synthetic target ({dict(m.target_config).get('num_hidden_layers')} layers, "
             f"vocab {vocab}) -> {target}")
     cfg.model.target_path = str(target)
@@ -144,8 +144,8 @@ def write_heldout(cfg, tokenizer, path: str | Path, log=print) -> Path:
         return path
     d = cfg.data.synthetic
     source = path.with_name(".heldout-conversations.jsonl")
-    write_corpus(source, int(d.heldout_prompts), min_tokens=d.min_tokens, max_tokens=d.max_tokens,
-                 seed=int(cfg.seed) + 1_000_003)
+    write_corpus(source, d.heldout_prompts, min_tokens=d.min_tokens, max_tokens=d.max_tokens,
+                 seed=cfg.seed + 1_000_003)
     tmp = path.with_name(f".{path.name}.tmp")
     with open(source) as src, open(tmp, "w") as out:
         for line in src:
@@ -169,8 +169,8 @@ def _train_demo_target(cfg, tok, target_path, log) -> None:
     with open(cfg.data.input) as f:
         sequences = [tok.apply_chat_template(json.loads(line)["conversations"], tokenize=True, return_dict=False)
                      for line in f if line.strip()]
-    train_causal_lm(str(target_path), sequences, steps=int(cfg.data.synthetic.target_steps),
-                    pad_id=tok.pad_token_id or 0, seed=int(cfg.seed), log=log)
+    train_causal_lm(str(target_path), sequences, steps=cfg.data.synthetic.target_steps,
+                    pad_id=tok.pad_token_id or 0, seed=cfg.seed, log=log)
 
 
 def _regenerate_demo(cfg, layout: RunLayout, target_path, log) -> str:
@@ -181,7 +181,7 @@ def _regenerate_demo(cfg, layout: RunLayout, target_path, log) -> str:
     if not done.exists():
         r = cfg.regenerate
         regenerate(str(cfg.data.input), str(out), target_dir=str(target_path), tokenizer_dir=str(cfg.data.tokenizer),
-                   cluster=OmegaConf.to_object(cfg.cluster), max_new_tokens=int(r.max_new_tokens),
-                   batch_size=int(r.batch_size), log=log)
+                   cluster=OmegaConf.to_object(cfg.cluster), max_new_tokens=r.max_new_tokens,
+                   batch_size=r.batch_size, log=log)
         done.touch()
     return str(out)

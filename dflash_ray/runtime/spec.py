@@ -150,7 +150,7 @@ def resolve_spec(cfg, log=print, *, inputs: bool = True, record: bool = True) ->
             raise UserError(f"config key 'model.target_layer_ids': {layer_ids} out of range for a "
                             f"{n_layers}-layer target (ids 0..{n_layers - 1}, at least one)")
     else:
-        layer_ids = default_target_layer_ids(n_layers, int(m.num_draft_layers))
+        layer_ids = default_target_layer_ids(n_layers, m.num_draft_layers)
     if vocab > target_vocab:
         raise UserError(f"{cfg.data.tokenizer}: tokenizer has {vocab} tokens but the target's vocabulary is "
                         f"{target_vocab} (config key 'model.target_path')")
@@ -168,24 +168,24 @@ def resolve_spec(cfg, log=print, *, inputs: bool = True, record: bool = True) ->
         scan = scan_shards(cfg.data.shards, target_vocab, contents=first,
                            hint=f" of the target at {target_path}: were the shards prepared with another tokenizer?")
     mask_id = m.mask_token_id if m.mask_token_id is not None else default_mask_token_id(target_vocab, tok)
-    drafter = DrafterConfig(num_draft_layers=int(m.num_draft_layers), block_size=int(m.block_size),
-                            num_anchors=int(m.num_anchors), target_layer_ids=tuple(layer_ids),
-                            loss_gamma=None if m.loss_gamma is None else float(m.loss_gamma),
+    drafter = DrafterConfig(num_draft_layers=m.num_draft_layers, block_size=m.block_size,
+                            num_anchors=m.num_anchors, target_layer_ids=tuple(layer_ids),
+                            loss_gamma=None if m.loss_gamma is None else m.loss_gamma,
                             mask_token_id=int(mask_id),
-                            anchors_per_batch=None if m.anchors_per_batch is None else int(m.anchors_per_batch),
+                            anchors_per_batch=None if m.anchors_per_batch is None else m.anchors_per_batch,
                             intermediate_size=_opt_int(m.drafter_intermediate_size),
                             num_attention_heads=_opt_int(m.drafter_num_attention_heads),
                             num_key_value_heads=_opt_int(m.drafter_num_key_value_heads))
     init_from = _check_drafter_shape(drafter, tcfg, m.init_from if inputs else None)
     shards = OmegaConf.select(cfg, "data.shards", default=None, throw_on_missing=False)
     spec = RunSpec(
-        name=str(cfg.run.name), run_dir=str(run_dir), storage_path=storage, seed=int(cfg.seed),
+        name=cfg.run.name, run_dir=str(run_dir), storage_path=storage, seed=cfg.seed,
         shards="" if shards is None else str(shards) if "://" in str(shards) else str(Path(shards).resolve()),
         tokenizer=str(tokenizer), target_path=str(target_path),
         vocab_size=target_vocab, pad_token_id=int(tok.pad_token_id if tok.pad_token_id is not None else 0),
         plan=PlanSpec.from_config(cfg), drafter=drafter, train=train, cluster=OmegaConf.to_object(cfg.cluster),
-        coordinator=coordinator_name(str(cfg.run.name)), heldout=heldout,
-        heldout_max_new_tokens=int(cfg.eval.max_new_tokens), init_from=init_from,
+        coordinator=coordinator_name(cfg.run.name), heldout=heldout,
+        heldout_max_new_tokens=cfg.eval.max_new_tokens, init_from=init_from,
         target_hidden_size=int(getattr(tcfg, "hidden_size", 0) or 0))
     if record:
         check_run_inputs(spec, tcfg, scan, log=log)
