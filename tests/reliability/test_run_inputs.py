@@ -1,4 +1,4 @@
-"""What a resume compares with the run's first start (spec.check_run_inputs, data/shards.py), and what
+"""What a resume compares with the run's first start (record/run_inputs.py check_run_inputs, data/shards.py), and what
 `dflash-ray export` does not: the shards' samples and tokens, whatever their file layout.
 
 Same samples (sample_id, num_tokens, num_supervised) and tokens in other files (another shard size,
