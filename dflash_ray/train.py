@@ -24,19 +24,19 @@ import sys
 
 def main_job(cfg, *, progress: bool = True, log=print, plan_log=print):
     """The whole main job. Returns (run_spec, summary)."""
-    from dflash_ray.atomic import write_json_atomic
-    from dflash_ray.data.report import format_plan
     from omegaconf import OmegaConf
 
+    from dflash_ray.atomic import write_json_atomic
+    from dflash_ray.data.report import format_plan
     from dflash_ray.demo.world import make_demo_inputs, make_missing_inputs
     from dflash_ray.errors import UserError
-    from dflash_ray.runtime.training.checkpoint import export_latest
     from dflash_ray.runtime.cluster import check_resources, ray_cluster
     from dflash_ray.runtime.record import trackers
-    from dflash_ray.runtime.record.heldout import initial_and_trained_tau
+    from dflash_ray.runtime.record.heldout import final_tau
     from dflash_ray.runtime.record.layout import RunLayout
-    from dflash_ray.runtime.spec import RunPlans, resolve_spec
     from dflash_ray.runtime.record.summary import build_summary
+    from dflash_ray.runtime.spec import RunPlans, resolve_spec
+    from dflash_ray.runtime.training.checkpoint import export_latest
     from dflash_ray.runtime.training.trainer import fit
 
     required = sorted(OmegaConf.missing_keys(cfg) & {"data.tokenizer", "data.shards", "model.target_path"})
@@ -57,12 +57,13 @@ def main_job(cfg, *, progress: bool = True, log=print, plan_log=print):
             trackers.end_run(run_spec, None, failed=True, log=log)   # the tracker runs say FAILED
             raise
 
-    summary = build_summary(run_spec, plans, plan_summary, outcome.report, started=outcome.started,
-                            wall_seconds=outcome.wall_seconds)
-    if export_latest(run_spec) is None:
-        summary["export"] = None
-    summary["heldout_tau"] = (initial_and_trained_tau(run_spec, summary["export"])
-                              if run_spec.heldout and summary["export"] else None)
+        summary = build_summary(run_spec, plans, plan_summary, outcome.report, started=outcome.started,
+                                wall_seconds=outcome.wall_seconds)
+        if export_latest(run_spec) is None:
+            summary["export"] = None
+        # held-out tau of the fresh and the trained drafter, on a target GPU now that training let it go
+        summary["heldout_tau"] = (final_tau(run_spec, summary["export"])
+                                  if run_spec.heldout and summary["export"] else None)
     write_json_atomic(RunLayout(run_spec.run_dir).summary, summary)
     trackers.end_run(run_spec, summary, log=log)   # export/ and best/ as artifacts, final tau, FINISHED
     return run_spec, summary

@@ -6,15 +6,24 @@ from __future__ import annotations
 import tempfile
 
 
-def heldout_tau(run_spec, drafter_dir: str) -> dict:
-    """tau of the drafter in `drafter_dir` on the run's held-out prompts."""
+def heldout_prompts(run_spec) -> tuple[list, list | None]:
+    """The run's held-out prompts as token ids, and the token ids decoding stops at (read where the
+    prompts file is: the driver's node)."""
     from dflash_ray.data.prompts import find_tokenizer, read_prompts
-    from dflash_ray.model.evaluate import evaluate_acceptance
 
     tok = find_tokenizer(run_spec.tokenizer, run_spec.target_path)
     prompts = read_prompts(run_spec.heldout, tok, limit=1 << 30)
     stop = [tok.eos_token_id] if tok is not None and tok.eos_token_id is not None else None
-    s = evaluate_acceptance(drafter_dir, run_spec.target_path, prompts, run_spec.heldout_max_new_tokens,
+    return prompts, stop
+
+
+def heldout_tau(run_spec, drafter_dir: str, prompts: tuple | None = None) -> dict:
+    """tau of the drafter in `drafter_dir` on the run's held-out prompts (`prompts`: heldout_prompts's
+    answer when already read)."""
+    from dflash_ray.model.evaluate import evaluate_acceptance
+
+    ids, stop = prompts or heldout_prompts(run_spec)
+    s = evaluate_acceptance(drafter_dir, run_spec.target_path, ids, run_spec.heldout_max_new_tokens,
                             stop_token_ids=stop)
     return {"tau": s["tau"], "prompts": s["num_prompts"], "new_tokens": s["new_tokens"],
             "outputs_match_greedy": s["outputs_match_greedy"], "target_time_speedup": s["target_time_speedup"],
@@ -36,16 +45,37 @@ def heldout_tau_of_weights(run_spec, weights: dict, out_dir: str) -> dict:
     return {k: r[k] for k in ("tau", "prompts", "outputs_match_greedy")}
 
 
-def initial_and_trained_tau(run_spec, export_dir: str) -> dict:
+def initial_and_trained_tau(run_spec, export_files: dict, prompts: tuple) -> dict:
     """Held-out tau of the drafter as the run initialised it (same seed; on the CPU the same weights as
-    step 0, on a GPU run another draw of the same initialisation, as the ranks initialise on the device) and of
-    the exported one."""
+    step 0, on a GPU run another draw of the same initialisation, as the ranks initialise on the device) and
+    of the run's export (`export_files`: its files by name, measured exactly as exported). A Ray task on a
+    target GPU (final_tau), where the device is the task's own."""
     import torch
 
     from dflash_ray.model.export import export_drafter
     from dflash_ray.runtime.training.model import build_run_drafter
 
-    with tempfile.TemporaryDirectory(prefix="dflash-initial-") as initial:
+    with tempfile.TemporaryDirectory(prefix="dflash-initial-") as initial, \
+            tempfile.TemporaryDirectory(prefix="dflash-export-") as trained:
         export_drafter(build_run_drafter(run_spec, torch.device("cpu")), initial)
-        before = heldout_tau(run_spec, initial)
-    return {"initial": before, "trained": heldout_tau(run_spec, export_dir), "prompts_file": run_spec.heldout}
+        for name, data in export_files.items():
+            with open(f"{trained}/{name}", "wb") as f:
+                f.write(data)
+        return {"initial": heldout_tau(run_spec, initial, prompts), "trained": heldout_tau(run_spec, trained, prompts),
+                "prompts_file": run_spec.heldout}
+
+
+def final_tau(run_spec, export_dir: str) -> dict:
+    """initial_and_trained_tau as a Ray task with a target actor's resources (a target GPU share; the target
+    slot on CPU machines), after training, when the target actors have let them go: the target's forwards
+    run on a GPU, not on the driver. The prompts and the export travel with the task (the run directory is
+    on the driver's node only); the target is read where the target actors read it."""
+    from pathlib import Path
+
+    import ray
+
+    c = run_spec.cluster
+    res = dict(num_gpus=c.target_gpus, num_cpus=1) if c.use_gpu else dict(num_cpus=0.5, resources={c.target_resource: 1})
+    files = {p.name: p.read_bytes() for p in Path(export_dir).iterdir() if p.is_file()}
+    task = ray.remote(initial_and_trained_tau).options(**res)
+    return ray.get(task.remote(run_spec, ray.put(files), heldout_prompts(run_spec)))
