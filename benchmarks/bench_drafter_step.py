@@ -71,7 +71,7 @@ def parse_args():
     p.add_argument("--threads", type=int, default=1, help="CPU threads (1: steadier on a shared machine)")
     p.add_argument("--anchors-per-batch", type=int, default=None,
                    help="the per-batch anchor budget (model.anchors_per_batch; Qwen3-8B config: 512)")
-    p.add_argument("--checkpoint-layers", action="store_true", help="train.recompute_layers: recompute layers")
+    p.add_argument("--recompute-layers", action="store_true", help="train.recompute_layers: recompute layers in backward")
     p.add_argument("--json", metavar="PATH", help="also write the figures as JSON")
     p.add_argument("--check", action="store_true", help="exit 1 when any goal fails")
     return p.parse_args()
