@@ -22,8 +22,11 @@ install "$SRC"
 install --no-deps "dflash==0.1.0"
 # 4. what the image must hold, checked in it
 "$PY" - <<'PYEOF'
-import importlib.metadata as md
 import os
+import sys
+
+sys.path = [p for p in sys.path if p not in ("", os.getcwd())]  # the installed copy, not the source beside it
+import importlib.metadata as md
 import re
 
 import dflash.model  # noqa: F401  (the reference's model code imports)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from dflash_ray.errors import UserError
 
-COMMANDS = ("regenerate", "prepare", "plan", "order-stats", "train", "compare-orders", "eval", "export", "plot")
+COMMANDS = ("regenerate", "prepare", "plan", "order-stats", "train", "compare-orders", "eval", "export", "push", "plot")
 
 
 def _parser(cmd: str) -> argparse.ArgumentParser:
@@ -42,6 +42,9 @@ def _parser(cmd: str) -> argparse.ArgumentParser:
     if cmd == "export":
         p.add_argument("--dtype", default="target", choices=("target", "float32", "bfloat16", "float16"),
                        help="weights' dtype (default: the target's, as serving engines load the drafter)")
+    if cmd == "push":
+        p.add_argument("repo_id", metavar="REPO_ID", help="the hub repository, OWNER/NAME")
+        p.add_argument("--private", action="store_true", help="create the repository private")
     p.add_argument("overrides", nargs="*", help="config overrides")
     return p
 
@@ -109,6 +112,10 @@ def _dispatch(cmd: str, args) -> int:
     if cmd == "plot" and args.run_dir and "=" in args.run_dir:
         overrides.insert(0, args.run_dir)
         args.run_dir = None
+    if cmd == "push":  # export=DIR is push's argument, not a config key
+        from dflash_ray.publish import take_export_override
+
+        overrides, args.export = take_export_override(overrides)
     cfg = compose_config(overrides)
     if args.cfg == "job":
         print(to_yaml(cfg), end="")
@@ -118,7 +125,7 @@ def _dispatch(cmd: str, args) -> int:
     resolve_hub_ids(cfg)  # hub ids -> their local snapshot (downloaded where the hub is reachable)
     handler = {"regenerate": regenerate_command, "prepare": prepare_command, "plan": plan_command,
                "train": train_command, "compare-orders": compare_orders_command, "eval": eval_command,
-               "export": export_command, "plot": plot_command}[cmd]
+               "export": export_command, "push": push_command, "plot": plot_command}[cmd]
     return handler(cfg, args)
 
 
@@ -350,6 +357,13 @@ def export_command(cfg, args) -> int:
         raise UserError(f"{run_spec.experiment_dir}: no checkpoint to export (train the run first)")
     print(f"exported {exported[0]} -> {exported[1]}")
     return 0
+
+
+def push_command(cfg, args) -> int:
+    """Publish the run's export (or export=DIR) to the Hugging Face hub as REPO_ID (dflash_ray/publish.py)."""
+    from dflash_ray.publish import push_command as push
+
+    return push(cfg, args)
 
 
 def plot_command(cfg, args) -> int:

@@ -7,11 +7,19 @@ reference's `_draft_value` reads the nested dict first, then the attribute); RoP
 `rope_parameters` (transformers 5) and `rope_theta` / `rope_scaling` (transformers 4). model.safetensors: the
 trainable weights under the reference's names (layers.N.self_attn.q_proj.weight, fc.weight,
 hidden_norm.weight, norm.weight, ...). The target's embedding and head are not exported: they are the target's.
+`dtype` and `torch_dtype` (the name transformers 4 and older serving images read) both say the weights' dtype.
+No `auto_map`: the reference builds `DFlashDraftModel` itself (AutoConfig reads `model_type: qwen3`), and
+SGLang and vLLM map `architectures: ["DFlashDraftModel"]` to their own classes; no remote code is shipped.
+
+README.md: the model card people publish (`write_model_card`): front matter the hub reads (`library_name`,
+`base_model` = the target's hub id, `tags`), then the target, tapped layers, block size, MASK id, data, steps,
+held-out tau and the SGLang / vLLM / reference commands that serve it.
 """
 from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import torch
@@ -24,12 +32,15 @@ from .drafter import DFlashDrafter
 WEIGHTS_NAME = "model.safetensors"
 
 
-def export_drafter(drafter: DFlashDrafter, out_dir: str, dtype: torch.dtype | None = None) -> str:
-    """Write config.json + model.safetensors to out_dir (replacing it whole); dtype None keeps the
-    parameters' dtype."""
+def export_drafter(drafter: DFlashDrafter, out_dir: str, dtype: torch.dtype | None = None,
+                   card: dict | None = None) -> str:
+    """Write config.json + model.safetensors + README.md (the model card) to out_dir (replacing it whole);
+    dtype None keeps the parameters' dtype. `card`: the run's facts for the model card (CARD_FIELDS: target,
+    data, steps, heldout_tau, ...; see write_model_card); None writes a card with what the drafter knows."""
     drafter = getattr(drafter, "module", drafter)  # unwrap DDP
     with atomic_dir(out_dir) as tmp:  # complete or absent; no stale files from an earlier export
         _write_export(drafter, tmp, dtype)
+        write_model_card(tmp, card, draft_path=str(Path(out_dir).resolve()))
     return out_dir
 
 
@@ -53,6 +64,7 @@ def _write_export(drafter: DFlashDrafter, out_dir, dtype) -> None:
                        "target_layer_ids": list(drafter.target_layer_ids)},
         dtype=str(next(iter(state.values())).dtype).replace("torch.", ""),
     )
+    config["torch_dtype"] = config["dtype"]  # transformers 4 (and serving images built on it) read this name
     # transformers 5 writes RoPE only as `rope_parameters`; a loader on transformers 4 (a serving image)
     # reads `rope_theta` / `rope_scaling` and would silently fall back to theta 10000. Write both; 5 reads
     # rope_parameters first.
@@ -66,6 +78,155 @@ def _write_export(drafter: DFlashDrafter, out_dir, dtype) -> None:
     os.chmod(out_dir, 0o755)
     for name in (WEIGHTS_NAME, "config.json"):
         os.chmod(Path(out_dir) / name, 0o644)
+
+
+# ----------------------------------------------------------------------------- the model card
+CARD_NAME = "README.md"
+# the run's facts a card may say (all optional): the target (a path or hub id) and its hub id when the path
+# does not show it, the training data (text), optimizer steps, tokens, epochs, the held-out tau (a number, or
+# the summary's {"initial": {"tau", "prompts"}, "trained": {...}}), a license id, and the hub repo the
+# export is published as (the serve commands then name it instead of the export directory)
+CARD_FIELDS = ("target", "base_model", "data", "steps", "tokens", "epochs", "heldout_tau", "license", "repo_id")
+CARD_TAGS = ["dflash", "speculative-decoding", "block-diffusion", "draft-model", "dflash-ray"]
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_CACHE_SNAPSHOT = re.compile(r"(?:^|/)models--([^/]+?)--([^/]+)/snapshots/[^/]+/?$")
+
+
+def target_hub_id(target: str | None) -> str | None:
+    """The hub id of a target given as a hub id or as its snapshot in the Hugging Face cache (what a hub id
+    resolves to: .../models--Qwen--Qwen3-8B/snapshots/<sha>); None for any other path."""
+    if not target:
+        return None
+    target = str(target)
+    m = _CACHE_SNAPSHOT.search(target)
+    if m:
+        return f"{m.group(1)}/{m.group(2)}"
+    if _HUB_ID.match(target) and not os.path.exists(target) and "://" not in target:
+        return target
+    return None
+
+
+def _tau_text(tau) -> str:
+    def one(v):
+        if isinstance(v, dict):
+            prompts = f" on {v['prompts']} prompts" if v.get("prompts") else ""
+            return f"{float(v['tau']):.2f}{prompts}"
+        return f"{float(v):.2f}"
+
+    if isinstance(tau, dict) and "trained" in tau:
+        text = one(tau["trained"])
+        if tau.get("initial") is not None:
+            text += f" (freshly initialised drafter: {one(tau['initial'])})"
+        return text
+    return one(tau)
+
+
+def model_card_text(config: dict, card: dict | None = None, draft_path: str | None = None) -> str:
+    """The model card (front matter + markdown) of an export with this config.json, for the run's facts
+    in `card` (CARD_FIELDS). ValueError on a key that is not one of CARD_FIELDS."""
+    from huggingface_hub import ModelCardData
+
+    # plain JSON values (a summary's numpy numbers too): the front matter is YAML
+    card = json.loads(json.dumps(dict(card or {}), default=lambda o: o.item() if hasattr(o, "item") else str(o)))
+    unknown = sorted(set(card) - set(CARD_FIELDS))
+    if unknown:
+        raise ValueError(f"model card: unknown fields {unknown} (known: {', '.join(CARD_FIELDS)})")
+    target = card.get("target")
+    base_model = card.get("base_model") or target_hub_id(target)
+    block, mask = _field(config, "block_size"), _field(config, "mask_token_id")
+    taps = _field(config, "target_layer_ids")
+    draft = card.get("repo_id") or draft_path or "<the export directory>"
+    serve_target = base_model or target or "<the target>"
+    missing = "not recorded"
+    # the front matter: what the hub reads, and the run's facts as given (read back by read_card_facts)
+    meta = ModelCardData(library_name="dflash", base_model=base_model, tags=list(CARD_TAGS),
+                         license=card.get("license"), dflash_ray=card or None)
+    rows = [
+        ("target", f"`{target}`" + (f" (hub: `{base_model}`)" if base_model and base_model != target else "")
+         if target else (f"`{base_model}`" if base_model else missing)),
+        ("target layers tapped", f"{', '.join(map(str, taps))} (of {config.get('num_target_layers')}; "
+                                 "0-based decoder-layer outputs, concatenated)"),
+        ("block size", f"{block} (the anchor token + {block - 1} MASK positions drafted in one pass)"),
+        ("MASK token id", str(mask)),
+        ("drafter", f"{config.get('num_hidden_layers')} Qwen3 decoder layers, hidden {config.get('hidden_size')}, "
+                    f"{config.get('dtype')}; the target's embedding and LM head are shared, not included"),
+        ("training data", str(card["data"]) if card.get("data") is not None else missing),
+        ("training steps", (f"{card['steps']:,}" if isinstance(card.get("steps"), int) else str(card["steps"]))
+         if card.get("steps") is not None else missing),
+    ]
+    if card.get("epochs") is not None:
+        rows.append(("epochs", str(card["epochs"])))
+    if card.get("tokens") is not None:
+        tokens = card["tokens"]
+        rows.append(("training tokens", f"{tokens:,}" if isinstance(tokens, int) else str(tokens)))
+    rows.append(("held-out tau", _tau_text(card["heldout_tau"]) + " (greedy speculative decoding against the "
+                 "target; tau = accepted draft tokens + 1 per target forward)"
+                 if card.get("heldout_tau") is not None else missing))
+    table = "\n".join(["| | |", "|---|---|"] + [f"| {k} | {v} |" for k, v in rows])
+    spec_config = json.dumps({"method": "dflash", "model": draft, "num_speculative_tokens": block - 1})
+    name = (base_model or (Path(str(target)).name if target else "its target")).split("/")[-1]
+    body = f"""
+# DFlash drafter for {name}
+
+A [DFlash](https://github.com/z-lab/dflash) draft model: a small block-diffusion model that drafts a whole
+block of tokens in one forward pass, conditioned on hidden states of the frozen target model, for lossless
+speculative decoding of the target. Trained with dflash-ray.
+
+{table}
+
+## Serve
+
+SGLang (`--speculative-algorithm DFLASH`; the draft token count defaults to the block size):
+
+```bash
+python -m sglang.launch_server --model-path {serve_target} \\
+    --speculative-algorithm DFLASH --speculative-draft-model-path {draft}
+```
+
+vLLM (`num_speculative_tokens` counts the MASK positions: block size - 1):
+
+```bash
+vllm serve {serve_target} --speculative-config '{spec_config}'
+```
+
+The reference `dflash` package (Transformers):
+
+```python
+from dflash.model import DFlashDraftModel
+draft = DFlashDraftModel.from_pretrained("{draft}")
+```
+
+The engine flags are those of SGLang's speculative-decoding documentation (DFlash section) and of the
+z-lab/dflash README's vLLM example; serving engines change quickly, so check your version's documentation.
+dflash-ray's tests load this export in the reference package; they do not run SGLang or vLLM.
+"""
+    return f"---\n{meta.to_yaml()}\n---\n{body}"
+
+
+def write_model_card(export_dir: str, card: dict | None = None, draft_path: str | None = None) -> str:
+    """(Re)write README.md, the model card, in an export directory from its config.json and the run's
+    facts (`card`, CARD_FIELDS); the serve commands name `card["repo_id"]`, else `draft_path`, else the
+    directory. Written whole (temporary file, then renamed); returns its path."""
+    config = json.loads((Path(export_dir) / "config.json").read_text())
+    text = model_card_text(config, card, draft_path=draft_path or str(Path(export_dir).resolve()))
+    path = Path(export_dir) / CARD_NAME
+    tmp = path.with_name(f".{CARD_NAME}.tmp-{os.getpid()}")
+    tmp.write_text(text)
+    os.chmod(tmp, 0o644)
+    os.replace(tmp, path)
+    return str(path)
+
+
+def read_card_facts(export_dir: str) -> dict:
+    """The run's facts an export's model card was written with (its front matter's `dflash_ray`); {} when
+    the directory has no card or the card has none."""
+    from huggingface_hub import ModelCard
+
+    path = Path(export_dir) / CARD_NAME
+    if not path.is_file():
+        return {}
+    facts = ModelCard.load(path).data.to_dict().get("dflash_ray") or {}
+    return {k: v for k, v in facts.items() if k in CARD_FIELDS}
 
 
 # What must agree for an export's weights to mean the same in another drafter: the target's width and
