@@ -11,15 +11,197 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
 from pathlib import Path
 
 from dflash_ray.errors import UserError
 
 COMMANDS = ("regenerate", "prepare", "plan", "order-stats", "train", "compare-orders", "eval", "export", "push", "plot")
 
+# What `dflash-ray --help` (the one line) and `dflash-ray <command> --help` (the description and the main
+# config keys, each shown with its default and its line from dflash_ray/config.py) say about each command.
+HELP = {
+    "regenerate": (
+        "the conversations with every assistant turn answered by the target (greedy; a Ray Data job)",
+        "The same conversations with every assistant turn replaced by the target's greedy answer, turn by turn "
+        "on the regenerated history, rendered by the tokenizer's chat template: a Ray Data job over target "
+        "actors (one per target GPU; a custom resource on CPU machines). Resumable: ids already in the output "
+        "are skipped. Failures are counted by reason (malformed line or conversation, prompt over the target's "
+        "context, answers that hit the token limit).",
+        ("data.input", "data.tokenizer", "model.target_path", "regenerate.output", "regenerate.max_new_tokens",
+         "regenerate.batch_size", "data.chat_template_kwargs", "cluster.target_workers", "cluster.use_gpu")),
+    "prepare": (
+        "conversations -> parquet shards of token ids and loss masks",
+        "Conversations (ShareGPT, OpenAI messages with tools and reasoning, or this project's rows; jsonl, json, "
+        "parquet, a directory or a glob) -> parquet shards (sample_id, input_ids, loss_mask, num_tokens, "
+        "num_supervised). The loss mask covers exactly what the target generates for each assistant turn when "
+        "served (the tokenizer's chat template with data.chat_template_kwargs); a template that rewrites history "
+        "gives one row per assistant turn (data.turns). Samples with fewer than 2 x model.block_size supervised "
+        "tokens are dropped, counted. A bad row stops it with one line naming the file "
+        "and line (data.on_bad_row=fail) or is skipped and counted by reason (skip). Prints samples, tokens, "
+        "drops, untrusted turns and bad rows.",
+        ("data.input", "data.tokenizer", "data.output", "data.format", "data.on_bad_row", "data.turns",
+         "data.chat_template_kwargs", "data.shard_size", "data.prepare_engine", "model.block_size")),
+    "plan": (
+        "the epoch plan of the shards: buckets, batches, budgets, order, GPU split, memory model",
+        "The epoch plan from the shards' sample_id / num_tokens / num_supervised only: buckets, batches, "
+        "padding efficiency, both budgets' use per bucket (target fill and cost, drafter anchors, block tokens, "
+        "anchor density), order measures; the capacity model's best target/drafter GPU split for cluster=...; "
+        "the memory model (drafter step and target actor peak for the worst batch; a WARNING above "
+        "cluster.device_memory_gb x the process's GPU share). The target's shape comes from "
+        "model.target_path's config.json, else from the model preset (model.target_config). --dump writes "
+        "position, bucket, sample_ids as parquet; --check validates every token.",
+        ("data.shards", "model.target_path", "data.bucket_boundaries", "data.max_tokens_per_batch",
+         "data.interleave", "data.attention_tokens", "model.anchors_per_batch", "cluster.device_memory_gb",
+         "plan.epoch", "seed")),
+    "order-stats": (
+        "order measures of the interleave strategies for given batch counts (no data needed)",
+        "Order measures of the interleave strategies for given batch counts per bucket: quarter shares, prefix "
+        "discrepancy, run lengths, when each bucket runs out. No data and no config needed.",
+        ()),
+    "train": (
+        "the main job: plan, stream through target actors, train the drafter, checkpoint, export, tau",
+        "The main job: prepare and plan the data, stream it through target actors into a Ray Train drafter "
+        "loop, checkpoint (and resume from the latest checkpoint when rerun with the same run.name), export, "
+        "measure held-out tau (fresh vs trained drafter), write summary.json (the run directory is printed at "
+        "the end). With no arguments: the embedded demo (tiny models, synthetic data, a local Ray).",
+        ("model", "data", "cluster", "model.target_path", "data.tokenizer", "data.shards", "train.epochs",
+         "train.max_steps", "train.lr", "train.checkpoint_every_minutes", "train.storage_path", "train.trackers",
+         "cluster.target_workers", "cluster.drafter_workers", "run.name")),
+    "compare-orders": (
+        "the same drafter trained once per interleave strategy, side by side",
+        "The same drafter (same data, target, seed, initial weights and batches) trained once per interleave "
+        "strategy with the same budget; only the order differs. Prints final loss, held-out tau, loss "
+        "roughness, quarter shares and bucket ends, and writes two PNGs next to the run directory.",
+        ("train.epochs", "train.heldout_every", "run.name")),
+    "eval": (
+        "tau of an exported drafter against its target by greedy speculative decoding",
+        "Greedy speculative decoding of an exported drafter against its target: tau (mean accepted + 1 per "
+        "cycle), its distribution, target time saved, and a check that the output equals plain greedy decoding "
+        "(exit 1 if it does not, in fp32). Progress per prompt on stderr.",
+        ("drafter", "target", "data.prompts", "data.tokenizer", "eval.max_new_tokens", "eval.max_prompts")),
+    "export": (
+        "rewrite <run.dir>/export/ from the run's latest checkpoint",
+        "Rewrite <run.dir>/export/ (a Hugging Face-format drafter the reference dflash package, SGLang and vLLM "
+        "load) from the run's latest checkpoint, on local or remote storage.",
+        ("run.name", "run.root", "train.storage_path")),
+    "push": (
+        "publish a run's export (drafter + model card) to the Hugging Face hub",
+        "Publish <run.dir>/export (or export=DIR: config.json, model.safetensors and README.md, the model card) "
+        "to the Hugging Face hub as REPO_ID (OWNER/NAME; created if it does not exist, --private for a private "
+        "one) with huggingface_hub's upload_folder. The card's serve commands are rewritten to name REPO_ID. "
+        "The token is huggingface_hub's (`hf auth login` or HF_TOKEN); HF_ENDPOINT picks the hub. No token or "
+        "an unreachable hub: one line, exit code 2.",
+        ("run.name", "run.root")),
+    "plot": (
+        "PNGs of a run's loss, tokens/s and the bucket of every step",
+        "PNGs of loss and tokens/s over steps and the bucket of every step, written into the run directory "
+        "(RUN_DIR, default: run.dir of the config).",
+        ("run.name", "run.root")),
+}
+
+USAGE = "dflash-ray <command> [--cfg job] [--json] [--debug] [overrides...]"
+OVERRIDES = ("Overrides use Hydra's grammar on the config in conf/: a.b=1, ++a.b=1, ~a.b (back to its default), "
+             "group=option, lists [1,2] and dicts {a: 1}; +name=1 adds a key at the root. --cfg job prints the "
+             "composed config and exits. Bad input or config: one line on stderr naming the key, file or row, exit "
+             "code 2 (--debug shows the traceback).")
+
+
+def _help(cmd: str) -> tuple:
+    """HELP's (line, description, main keys) of a command; a command not in it yet: its handler's docstring."""
+    if cmd in HELP:
+        return HELP[cmd]
+    handler = globals().get(f"{cmd.replace('-', '_')}_command")
+    doc = " ".join((getattr(handler, "__doc__", None) or "").split())
+    return doc.split(". ")[0].rstrip("."), doc, ()
+
+
+def _wrap(text: str, indent: str = "") -> str:
+    return textwrap.fill(text, 100, initial_indent=indent, subsequent_indent=indent, break_on_hyphens=False,
+                         break_long_words=False)
+
+
+def version() -> str:
+    from importlib.metadata import PackageNotFoundError, version as installed
+
+    try:
+        return installed("dflash-ray")
+    except PackageNotFoundError:  # a checkout on PYTHONPATH, not installed
+        return "unknown (not installed)"
+
+
+def _groups() -> str:
+    from dflash_ray.config import CONF_DIR
+
+    return ", ".join(f"{d.name}=" + "|".join(sorted(p.stem for p in d.glob("*.yaml")))
+                     for d in sorted(CONF_DIR.iterdir()) if d.is_dir())
+
+
+def _top_help() -> str:
+    """`dflash-ray --help`: every command on one line."""
+    width = max(map(len, COMMANDS))
+    lines = [f"usage: {USAGE}", "       dflash-ray --version", "",
+             "Train DFlash speculative-decoding drafters as a Ray application.", "", "commands:"]
+    lines += [f"  {cmd:<{width}}  {_help(cmd)[0]}" for cmd in COMMANDS]
+    lines += ["", "`dflash-ray <command> --help` says what a command does and its main config keys.", ""]
+    lines += [_wrap(OVERRIDES), "", _wrap(f"Config groups: {_groups()}.")]
+    return "\n".join(lines)
+
+
+def key_docs() -> dict:
+    """Every config key -> (its default as YAML writes it, its line): from the typed schema in
+    dflash_ray/config.py, each field's comment (on its line, or on the lines just above it)."""
+    import dataclasses
+    import inspect
+    import re
+    import typing
+
+    from dflash_ray import config
+
+    docs = {}
+
+    def walk(cls, prefix):
+        source = inspect.getsource(cls).splitlines()
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            key = f"{prefix}{f.name}"
+            if dataclasses.is_dataclass(hints[f.name]):
+                walk(hints[f.name], key + ".")
+                continue
+            at = next(i for i, line in enumerate(source) if re.match(rf"\s+{f.name}\s*:", line))
+            doc = source[at].split("#", 1)[1].strip() if "#" in source[at] else ""
+            above = at - 1
+            while not doc and source[above].strip().startswith("#"):
+                above -= 1
+            if not doc:
+                doc = " ".join(line.strip().lstrip("#").strip() for line in source[above + 1:at])
+            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+            docs[key] = (json.dumps(default), doc)
+
+    walk(config.RootConfig, "")
+    return docs
+
+
+def _command_help(cmd: str) -> str:
+    """The epilog of `dflash-ray <command> --help`: the command's main config keys."""
+    keys = _help(cmd)[2]
+    if not keys:
+        return ""
+    docs = key_docs()
+    lines = ["main config keys (key=value on the command line; `--cfg job` prints them all):"]
+    for key in keys:
+        if key in ("model", "data", "cluster"):
+            lines.append(f"  {key}=OPTION  the config group's option (see `dflash-ray --help`)")
+            continue
+        default, doc = docs[key]
+        lines.append(f"  {key} (default {default})")
+        lines.append(_wrap(doc, indent="      "))
+    return "\n".join(lines + ["", _wrap(OVERRIDES)])
+
 
 def _parser(cmd: str) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog=f"dflash-ray {cmd}", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog=f"dflash-ray {cmd}", description=_wrap(_help(cmd)[1]),
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--cfg", choices=["job"], help="print the composed config as YAML and exit")
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
@@ -51,9 +233,15 @@ def _parser(cmd: str) -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help"):
-        print(f"usage: dflash-ray {{{','.join(COMMANDS)}}} [--cfg job] [--json] [--debug] [overrides...]")
-        return 0 if argv else 2
+    if not argv:
+        print(_top_help(), file=sys.stderr)
+        return 2
+    if argv[0] in ("-h", "--help"):
+        print(_top_help())
+        return 0
+    if argv[0] in ("-V", "--version"):
+        print(f"dflash-ray {version()}")
+        return 0
     return run_command(argv[0], argv[1:])
 
 
@@ -78,7 +266,13 @@ def run_command(cmd: str, argv: list[str]) -> int:
         return 2
     from omegaconf.errors import MissingMandatoryValue
 
-    args = _parser(cmd).parse_intermixed_args(argv)
+    parser = _parser(cmd)
+    if "-h" in argv or "--help" in argv:
+        parser.epilog = _command_help(cmd)
+    try:
+        args = parser.parse_intermixed_args(argv)
+    except SystemExit as e:  # --help (0), or argparse's usage error (2), already printed
+        return int(e.code or 0)
     try:
         return _dispatch(cmd, args)
     except MissingMandatoryValue as e:  # a `???` value read where no require() named it
@@ -159,23 +353,24 @@ def prepare_command(cfg, args) -> int:
     from omegaconf import OmegaConf
 
     from dflash_ray.data.prepare import options_from_config, prepare
+    from dflash_ray.data.report import format_drops
 
     where = (require(cfg, "data.input"), require(cfg, "data.tokenizer"), require(cfg, "data.output"))
+    options = options_from_config(cfg)
     if cfg.data.prepare_engine == "ray":
         from dflash_ray.runtime.cluster import ray_cluster
         from dflash_ray.runtime.jobs.prepare_on_ray import prepare_on_ray
 
         log = (lambda *a, **k: print(*a, file=sys.stderr, **k)) if args.json else print
         with ray_cluster(OmegaConf.to_object(cfg.cluster), log=log):
-            summary = prepare_on_ray(*where, rows_per_task=cfg.data.prepare_rows_per_task,
-                                     **options_from_config(cfg))
+            summary = prepare_on_ray(*where, rows_per_task=cfg.data.prepare_rows_per_task, **options)
     else:
-        summary = prepare(*where, progress=not args.json, **options_from_config(cfg))
+        summary = prepare(*where, progress=not args.json, **options)
     out = summary.as_dict()
     if args.json:
         print(json.dumps(out, indent=2))
     else:
-        dropped = ", ".join(f"{k}: {v}" for k, v in out["dropped"].items()) or "none"
+        dropped = format_drops(out["dropped"], options["min_supervised"])
         untrusted = ", ".join(f"{k}: {v}" for k, v in out["untrusted_turns"].items()) or "none"
         print(f"prepared {out['samples']} samples from {out['conversations']} conversations, {out['tokens']} tokens "
               f"({out['supervised_tokens']} supervised) in {out['shards']} shards -> {Path(out['output'])}")
@@ -194,6 +389,7 @@ def plan_command(cfg, args) -> int:
     from dflash_ray.data.shards import check_shards, write_table_atomic
     from dflash_ray.sizing.capacity import capacity_report
 
+    shape_from = target_shape_source(cfg)
     if args.check:
         check_shards(require(cfg, "data.shards"), cfg.data.vocab_size)
     plan = plan_from_config(cfg)
@@ -204,14 +400,41 @@ def plan_command(cfg, args) -> int:
         write_table_atomic(plan.to_arrow().drop_columns(["num_tokens"]), args.dump)
     if args.json:
         print(json.dumps({**summary, **{k: v for k, v in capacity.items() if k != "text"},
-                          "memory": {k: v for k, v in memory.items() if k != "text"}}, indent=2))
+                          "memory": {k: v for k, v in memory.items() if k != "text"},
+                          "target_shape_from": shape_from}, indent=2))
     else:
         print(format_plan(summary))
-        for text in capacity["text"] + memory["text"]:
+        for text in [f"target shape: {shape_from}"] + capacity["text"] + memory["text"]:
             print(text)
         if args.dump:
             print(f"plan written to {args.dump}")
     return 0
+
+
+def target_shape_source(cfg) -> str:
+    """Where `plan` takes the target's shape from (data.plan.target_fields), in words. A one-line refusal
+    where that would be no target's or another target's: model.target_path naming nothing this machine
+    reads (a hub id resolves before this, or has failed with its own line), or left unset by a preset that
+    carries no shape of its own."""
+    from omegaconf import OmegaConf
+
+    m = cfg.model
+    if OmegaConf.is_missing(m, "target_path"):
+        if not m.target_config:
+            raise UserError("config key 'model.target_path' must be set (a Hugging Face directory or hub id): "
+                            "plan takes the target's shape from its config.json")
+        return (f"model.target_config of model={m.name} (its target's config.json values; "
+                "model.target_path=DIR reads the target's own)")
+    if m.target_path is not None:
+        config_json = Path(m.target_path) / "config.json"
+        if not config_json.is_file():
+            raise UserError(f"config key 'model.target_path': {m.target_path} is not a directory with a "
+                            "config.json (plan reads the target's shape there)")
+        return str(config_json)
+    built = Path(cfg.run.dir) / "target" / "config.json"
+    if built.is_file():
+        return f"{built} (the synthesised target)"
+    return "model.target_config (the synthetic target a run builds from it)" if m.target_config else "unknown"
 
 
 def feature_bytes_per_token(cfg) -> float | None:
@@ -412,6 +635,9 @@ def eval_command(cfg, args) -> int:
         if not p or min(p) < 0 or max(p) >= vocab:
             raise UserError(f"{cfg.data.prompts}: prompt {i + 1}: needs 1+ token ids in [0, {vocab}), got {p[:8]}")
     stop = [tok.eos_token_id] if tok is not None and tok.eos_token_id is not None else None
+    from dflash_ray.data.report import Tracked   # progress per prompt on stderr (a bar, or a line every few s)
+
+    prompts = Tracked(prompts, "eval", "prompts", enabled=not args.json)
     stats = evaluate_acceptance(drafter_dir, target_dir, prompts, cfg.eval.max_new_tokens, stop_token_ids=stop)
     print(json.dumps(stats, indent=2) if args.json else format_eval(stats))
     if stats["outputs_match_greedy"]:

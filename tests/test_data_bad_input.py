@@ -1,4 +1,5 @@
-"""Bad shards: exit code 2 and one line naming the file (and row) and what is wrong; never a hang."""
+"""Bad shards: exit code 2 and one line naming the file (and row, "row N (0-based)": the index pyarrow gives
+it) and what is wrong; never a hang."""
 import json
 import subprocess
 import sys
@@ -33,8 +34,8 @@ EXPECT = {
     "corrupt": "bad.parquet: not a readable parquet file",
     "missing_column": "bad.parquet: missing column 'num_tokens'",
     "mistyped_column": "bad.parquet: column 'num_tokens' has type string",
-    "negative_length": "bad.parquet: row 1: negative num_tokens",
-    "duplicate_id": "bad.parquet: row 1: duplicate sample_id 5 (first seen in",
+    "negative_length": "bad.parquet: row 1 (0-based): negative num_tokens",
+    "duplicate_id": "bad.parquet: row 1 (0-based): duplicate sample_id 5 (first seen in",
     "empty_shard": "bad.parquet: empty shard (0 rows)",
 }
 
@@ -56,10 +57,10 @@ def test_plan_rejects_bad_shards_with_one_line(case, tmp_path, capsys):
 
 
 @pytest.mark.parametrize("case,expect", [
-    ("negative_token", "row 2: negative token id"),
-    ("oov_token", "row 1: token id 500 is out of vocabulary (size 100)"),
-    ("length_mismatch", "row 0: input_ids has 80 tokens but loss_mask has 79"),
-    ("num_tokens_mismatch", "row 3: num_tokens is 81 but input_ids has 80 tokens"),
+    ("negative_token", "row 2 (0-based): negative token id"),
+    ("oov_token", "row 1 (0-based): token id 500 is out of vocabulary (size 100)"),
+    ("length_mismatch", "row 0 (0-based): input_ids has 80 tokens but loss_mask has 79"),
+    ("num_tokens_mismatch", "row 3 (0-based): num_tokens is 81 but input_ids has 80 tokens"),
 ])
 def test_token_checks_name_the_row(case, expect, tmp_path, capsys):
     _good(tmp_path)
@@ -99,8 +100,8 @@ def test_console_script_exit_code_and_debug_traceback(tmp_path):
 
 
 @pytest.mark.parametrize("column,values,expect", [
-    ("sample_id", pa.array([900, None], pa.int64()), "row 1: null sample_id"),
-    ("num_tokens", pa.array([None, 80], pa.int32()), "row 0: null num_tokens"),
+    ("sample_id", pa.array([900, None], pa.int64()), "row 1 (0-based): null sample_id"),
+    ("num_tokens", pa.array([None, 80], pa.int32()), "row 0 (0-based): null num_tokens"),
 ])
 def test_null_values_are_named(column, values, expect, tmp_path, capsys):
     _good(tmp_path)

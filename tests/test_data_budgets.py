@@ -110,10 +110,10 @@ def test_a_supervised_count_that_disagrees_with_the_mask_is_one_line(tmp_path):
     d = tmp_path / "shards"
     write_shard(d / "a.parquet", [0, 1], [40, 60], num_supervised=pa.array([40, 59], pa.int32()))
     assert read_lengths(d).num_supervised.tolist() == [40, 59]  # plausible: the plan trusts it
-    with pytest.raises(UserError, match=r"a.parquet: row 1: num_supervised is 59 but loss_mask has 60 ones"):
+    with pytest.raises(UserError, match=r"a.parquet: row 1 \(0-based\): num_supervised is 59 but loss_mask has 60 ones"):
         list(iter_validated(d))
     write_shard(d / "a.parquet", [0, 1], [40, 60], num_supervised=pa.array([40, 61], pa.int32()))
-    with pytest.raises(UserError, match=r"a.parquet: row 1: num_supervised is 61, outside 0..num_tokens \(60\)"):
+    with pytest.raises(UserError, match=r"a.parquet: row 1 \(0-based\): num_supervised is 61, outside 0..num_tokens \(60\)"):
         read_lengths(d)
 
 

@@ -113,7 +113,7 @@ def test_text_parts_are_joined_and_a_non_text_part_is_a_bad_row(tmp_path):
     image = [{"type": "text", "text": "what is this"}, {"type": "image_url", "image_url": {"url": "x.png"}}]
     bad = write_jsonl(tmp_path / "b.jsonl", [{"messages": [USER_HI, {"role": "assistant", "content": "x"}]},
                                              {"messages": [{"role": "user", "content": image}]}])
-    assert one_line_error(bad) == f"{bad}: row 1: message 0: non-text content (part of type 'image_url')"
+    assert one_line_error(bad) == f"{bad}: line 2: message 0: non-text content (part of type 'image_url')"
 
 
 def test_own_format_passes_through_and_rows_without_assistant_are_yielded(tmp_path):
@@ -127,15 +127,15 @@ def test_forced_format_rejects_another_shape(tmp_path):
     path = write_jsonl(tmp_path / "a.jsonl", [sg(("human", "q"), ("gpt", "a")), own(("user", "q"))])
     assert [c.format for c in iter_conversations(path, format="auto")] == ["sharegpt", "conversations"]
     msg = one_line_error(path, format="sharegpt")
-    assert msg == (f"{path}: row 1: a conversations row ('conversations' of {{role, content}}), "
+    assert msg == (f"{path}: line 2: a conversations row ('conversations' of {{role, content}}), "
                    "but the format is set to sharegpt")
-    assert one_line_error(path, format="openai").startswith(f"{path}: row 0: a sharegpt row")
+    assert one_line_error(path, format="openai").startswith(f"{path}: line 1: a sharegpt row")
     assert "unknown format 'chatml'" in one_line_error(path, format="chatml")
     assert FORMATS == ("auto", "sharegpt", "openai", "conversations")
 
 
 GOOD = own(("user", "q"), ("assistant", "a"))
-# (the line as written, reason counted, the error's text after "row N: ")
+# (the line as written, reason counted, the error's text after "line N: ")
 BAD_LINES = {
     "truncated_json": ('{"conversations": [', "malformed_json",
                        "malformed JSON (Expecting value at the end of the line)"),
@@ -169,7 +169,7 @@ BAD_LINES = {
 def test_bad_row_fails_with_one_line_naming_file_and_row(case, tmp_path):
     line, _, detail = BAD_LINES[case]
     path = write_jsonl(tmp_path / "in.jsonl", [GOOD, "", GOOD, line, GOOD])
-    assert one_line_error(path) == f"{path}: row 3: {detail}"
+    assert one_line_error(path) == f"{path}: line 4: {detail}"   # the 4th line
 
 
 def test_skip_policy_yields_the_good_rows_and_reports_the_bad(tmp_path):
@@ -185,13 +185,13 @@ def test_skip_policy_yields_the_good_rows_and_reports_the_bad(tmp_path):
     p = str(path)
     assert report.first == {"malformed_json": [(p, 2), (p, 5), (p, 6), (p, 7), (p, 8)],
                             "empty_conversation": [(p, 4)]}
-    assert report.summary_line() == (f"skipped 8 bad rows (empty_conversation 1: {p} row 4; malformed_json 7: "
-                                     f"{p} row 2, {p} row 5, {p} row 6, {p} row 7, {p} row 8); 2 empty lines")
+    assert report.summary_line() == (f"skipped 8 bad rows (empty_conversation 1: {p} line 5; malformed_json 7: "
+                                     f"{p} line 3, {p} line 6, {p} line 7, {p} line 8, {p} line 9); 2 empty lines")
     d = report.as_dict()
     assert json.loads(json.dumps(d)) == d  # goes into the prepare summary as is
-    assert d["messages"]["malformed_json"] == f"{p}: row 2: malformed JSON (Expecting value at the end of the line)"
+    assert d["messages"]["malformed_json"] == f"{p}: line 3: malformed JSON (Expecting value at the end of the line)"
     # the same file under "fail" stops at the first bad row
-    assert one_line_error(path) == f"{p}: row 2: malformed JSON (Expecting value at the end of the line)"
+    assert one_line_error(path) == f"{p}: line 3: malformed JSON (Expecting value at the end of the line)"
     assert BadRows().summary_line() == "no bad rows"
 
 
@@ -216,7 +216,7 @@ def test_json_list_and_object_with_one_list(tmp_path):
     # a bad row inside a list is named by its index
     withbad = tmp_path / "withbad.json"
     withbad.write_text(json.dumps([rows[0], {"messages": "hello"}]))
-    assert one_line_error(withbad) == f"{withbad}: row 1: 'messages' is not a list"
+    assert one_line_error(withbad) == f"{withbad}: row 1 (0-based): 'messages' is not a list"
 
 
 def test_parquet_sharegpt_and_openai_rows(tmp_path):

@@ -65,11 +65,11 @@ def test_malformed_line_exits_2_naming_file_and_line_and_writes_nothing(tok_dir,
     rc = run_command("prepare", [f"data.input={src}", f"data.tokenizer={tokdir}", f"data.output={tmp_path}/o"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1
-    assert "c.jsonl: row 2: malformed JSON" in err[0]      # rows count from 0 in every format
+    assert "c.jsonl: line 3: malformed JSON" in err[0]     # lines count as an editor counts them
     assert not (tmp_path / "o").exists() and not list(tmp_path.glob(".o.tmp*"))
     src2 = write_jsonl(tmp_path / "d.jsonl", [{"id": 1, "conversations": [{"role": "robot", "content": "x"}]}])
     rc = run_command("prepare", [f"data.input={src2}", f"data.tokenizer={tokdir}", f"data.output={tmp_path}/o"])
-    assert rc == 2 and "d.jsonl: row 0: message 0: unknown role 'robot'" in capsys.readouterr().err
+    assert rc == 2 and "d.jsonl: line 1: message 0: unknown role 'robot'" in capsys.readouterr().err
 
 
 def test_prepare_refuses_foreign_output_dirs_and_bad_encodings_and_templates(tok_dir, tmp_path, capsys):
@@ -92,7 +92,7 @@ def test_prepare_refuses_foreign_output_dirs_and_bad_encodings_and_templates(tok
     bad.write_bytes(json.dumps(good).encode() + b"\n" + b'{"id": 2, "conversations": [{"role": "user", "content": "caf\xe9"}]}\n')
     rc = run_command("prepare", [f"data.input={bad}", f"data.output={tmp_path}/q"] + args)
     err = capsys.readouterr().err.strip().splitlines()
-    assert rc == 2 and len(err) == 1 and "latin1.jsonl: row 1: not UTF-8" in err[0]
+    assert rc == 2 and len(err) == 1 and "latin1.jsonl: line 2: not UTF-8" in err[0]
     two_users = {"id": 3, "conversations": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}
     strict = tmp_path / "tok_strict"
     import shutil
@@ -107,7 +107,7 @@ def test_prepare_refuses_foreign_output_dirs_and_bad_encodings_and_templates(tok
     src2 = write_jsonl(tmp_path / "d.jsonl", [two_users])
     rc = run_command("prepare", [f"data.input={src2}", f"data.output={tmp_path}/r", f"data.tokenizer={strict}", "model.block_size=2"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert rc == 2 and len(err) == 1 and "d.jsonl: row 0: chat template failed (no users here)" in err[0], err
+    assert rc == 2 and len(err) == 1 and "d.jsonl: line 1: chat template failed (no users here)" in err[0], err
 
 
 def _counting(m: int) -> dict:
@@ -170,4 +170,5 @@ def test_min_supervised_is_two_blocks_inclusive(tok_dir, tmp_path, capsys):
     rc = run_command("prepare", [f"data.input={src}", f"data.tokenizer={tokdir}", f"data.output={tmp_path}/q",
                                  "model.block_size=5"])
     err = capsys.readouterr().err
-    assert rc == 2 and "no usable conversations (dropped: {'too_few_supervised_tokens': 3}; no bad rows)" in err, err
+    assert rc == 2 and ("no usable conversations (dropped: samples with fewer than 10 (2 x model.block_size) "
+                        "supervised tokens: 3; no bad rows)") in err, err

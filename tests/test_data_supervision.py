@@ -163,7 +163,7 @@ def test_prepare_reads_sharegpt_and_openai_rows_and_skips_bad_ones_counted(tok, 
     (data / "b.jsonl").write_text(json.dumps(openai) + "\n")
     args = [f"data.input={data}", f"data.tokenizer={tokdir}", f"data.output={tmp_path / 'out'}", "model.block_size=2"]
     assert run_command("prepare", args) == 2
-    assert "a.jsonl: row 1: malformed JSON" in capsys.readouterr().err
+    assert "a.jsonl: line 2: malformed JSON" in capsys.readouterr().err
     assert run_command("prepare", args + ["data.on_bad_row=skip", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["bad_rows"]["counts"] == {"malformed_json": 1} and out["bad_rows"]["first"]["malformed_json"][0][1] == 1

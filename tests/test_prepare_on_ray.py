@@ -52,7 +52,7 @@ def test_ray_prepare_fails_on_a_bad_row_with_the_same_one_line(ray_session, tmp_
     rc = run_command("prepare", [f"data.input={src}", f"data.tokenizer={tokdir}", f"data.output={tmp_path / 'o'}",
                                  "data.prepare_engine=ray", "data.prepare_rows_per_task=10"])
     err = capsys.readouterr().err.strip().splitlines()
-    assert rc == 2 and err[-1].endswith("c.jsonl: row 30: row is a JSON list, not an object"), err
+    assert rc == 2 and err[-1].endswith("c.jsonl: line 31: row is a JSON list, not an object"), err
     assert not (tmp_path / "o").exists()
     # a whole-file problem found inside a task is the driver's one line too, not a Ray task error
     pq.write_table(pa.table({"text": ["no conversation here"]}), tmp_path / "plain.parquet")

@@ -23,7 +23,9 @@ Normalised messages are what chat templates (`apply_chat_template(messages, tool
 The row's `tools` (a list, or a JSON string of one, as LLaMA-Factory writes) is kept; [] becomes None.
 
 Numbering: `row` is the 0-based index of a row within its file, for every format; for jsonl that is the
-0-based line index with blank lines included, so "row N" is line N+1. `id` is a running index over all
+0-based line index with blank lines included. Messages name a row by `where`: "line N" as an editor counts
+it (row + 1) for JSON lines, "row N (0-based)" in a parquet file, a JSON list or a datasets directory
+(pyarrow's and Python's index). `id` is a running index over all
 rows of all inputs in `expand_inputs` order: id = (rows in the earlier inputs, blank lines and bad rows
 included) + row. It is unique, independent of on_bad_row, and stable while the inputs and their contents
 are unchanged; for a single jsonl file it equals the 0-based line index (prepare's sample_id before).
@@ -42,7 +44,7 @@ from typing import Iterable, Iterator
 from dflash_ray.errors import UserError
 
 __all__ = ["FORMATS", "ON_BAD_ROW", "ROLE_MAP", "EMPTY_LINE", "BadRows", "Chunk", "Conversation", "expand_inputs",
-           "iter_chunk", "iter_conversations", "plan_chunks"]
+           "count_rows", "iter_chunk", "iter_conversations", "plan_chunks", "where"]
 
 FORMATS = ("auto", "sharegpt", "openai", "conversations")
 ON_BAD_ROW = ("fail", "skip")
@@ -89,7 +91,7 @@ class BadRows:
         if len(examples) < MAX_EXAMPLES:
             examples.append((path, row))
         if message is not None and reason not in self.messages:
-            self.messages[reason] = f"{path}: row {row}: {message}"
+            self.messages[reason] = f"{path}: {where(path, row)}: {message}"
 
     def merge(self, other: "BadRows") -> None:
         """Add a later part's record (chunks merged in input order keep the earliest examples)."""
@@ -105,11 +107,12 @@ class BadRows:
         return sum(n for reason, n in self.counts.items() if reason != EMPTY_LINE)
 
     def summary_line(self) -> str:
-        """E.g. "skipped 3 bad rows (malformed_json 2: a.jsonl row 3, a.jsonl row 7; unknown_role 1: b.json row 0);
-        2 empty lines" (one line)."""
+        """E.g. "skipped 3 bad rows (malformed_json 2: a.jsonl line 4, a.jsonl line 8; unknown_role 1: b.json row 0
+        (0-based)); 2 empty lines" (one line)."""
         reasons = sorted(r for r in self.counts if r != EMPTY_LINE)
         line = "no bad rows" if not reasons else f"skipped {self.bad_rows} bad rows (" + "; ".join(
-            f"{r} {self.counts[r]}: " + ", ".join(f"{p} row {n}" for p, n in self.first[r]) for r in reasons) + ")"
+            f"{r} {self.counts[r]}: " + ", ".join(f"{p} {where(p, n)}" for p, n in self.first[r])
+            for r in reasons) + ")"
         if self.counts[EMPTY_LINE]:
             line += f"; {self.counts[EMPTY_LINE]} empty lines"
         return line
@@ -196,6 +199,30 @@ def expand_inputs(spec: str | os.PathLike | Iterable[str | os.PathLike]) -> list
 
 
 # --------------------------------------------------------------------------------------------- readers
+
+def where(path: str, row: int) -> str:
+    """Row `row` (0-based) of `path` as a message names it: "line N" as an editor counts lines (row + 1) in
+    JSON lines (.jsonl, or a .json file holding JSON lines), else "row N (0-based)" (parquet, a JSON list,
+    a datasets directory: the index pyarrow and Python give it)."""
+    return f"line {row + 1}" if _json_lines(path) else f"row {row} (0-based)"
+
+
+def _json_lines(path: str) -> bool:
+    """Whether `path` is read line by line: a .jsonl file, or a .json file whose first line is a whole JSON
+    object with more after it (what _read_json reads as JSON lines)."""
+    suffix = Path(path).suffix.lower()
+    if suffix == ".jsonl":
+        return True
+    if suffix != ".json" or os.path.isdir(path):
+        return False
+    try:
+        with open(path, "rb") as f:
+            first = f.readline().removeprefix(b"\xef\xbb\xbf").strip()
+            more = any(line.strip() for line in iter(f.readline, b""))
+        return first.startswith(b"{") and more and isinstance(json.loads(first), dict)
+    except (OSError, ValueError):
+        return False
+
 
 def _parse_line(raw: bytes, row: int):
     try:
@@ -495,7 +522,7 @@ def _conversations(path: str, rows: Iterator[tuple[int, object]], base: int, for
             found, messages, tools = _normalise(obj, format)
         except _Bad as bad:
             if on_bad_row == "fail":
-                raise UserError(f"{path}: row {row}: {bad.detail}") from None
+                raise UserError(f"{path}: {where(path, row)}: {bad.detail}") from None
             report.add(bad.reason, path, row, bad.detail)
             continue
         yield Conversation(messages, tools, path, row, base + row, found)
@@ -505,7 +532,8 @@ def iter_conversations(spec, format: str = "auto", on_bad_row: str = "fail",
                        report: BadRows | None = None) -> Iterator[Conversation]:
     """Every conversation of the inputs named by `spec` (see expand_inputs), normalised, in input order.
 
-    A bad row raises UserError("<path>: row <n>: <what is wrong>") under on_bad_row="fail"; under "skip" it is
+    A bad row raises UserError("<path>: line <n>: <what is wrong>") (`where`: "row <n> (0-based)" outside
+    JSON lines) under on_bad_row="fail"; under "skip" it is
     recorded in `report` and passed over. Blank jsonl lines are counted in `report` as "empty_line".
     Problems with a whole file (missing, unreadable, no conversation column) always raise.
     Conversations without an assistant turn are yielded: the caller decides about those."""
@@ -589,6 +617,19 @@ def plan_chunks(spec, rows_per_chunk: int) -> list[Chunk]:
         chunks += got
         base += total
     return chunks
+
+
+def count_rows(spec) -> int:
+    """Rows of the inputs, blank lines and bad rows included (the ids iter_conversations gives stay below it):
+    a byte scan of jsonl files, parquet footers, other inputs read whole. A progress bar's total."""
+    total = 0
+    for path in expand_inputs(spec):
+        suffix = Path(path).suffix.lower()
+        if not os.path.isdir(path) and suffix in (".jsonl", ".parquet"):
+            total += (_jsonl_chunks if suffix == ".jsonl" else _parquet_chunks)(path, 0, 1 << 62)[1]
+        else:
+            total += sum(1 for _ in _read(path))
+    return total
 
 
 def _read_chunk(chunk: Chunk) -> Iterator[tuple[int, object]]:

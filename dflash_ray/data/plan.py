@@ -85,20 +85,28 @@ def attention_tokens_of(target: dict) -> float | None:
 
 
 def target_fields(cfg) -> dict | None:
-    """The target's config.json fields: <model.target_path>/config.json when it is a local directory;
-    with no target_path, the one the job synthesised (<run.dir>/target), else model.target_config (what
-    it will be built from; no vocab_size until the tokenizer gives one). None when nothing is known."""
+    """The target's config.json fields (the plan's attention term, the memory model), never another
+    target's:
+      model.target_path set: its config.json when it is a local directory, else None (a hub id not
+        resolved yet, a path this machine cannot read: the shape is unknown);
+      model.target_path `???` (a real preset's, not given yet): model.target_config, the preset's copy of
+        its target's config.json values ({} in a preset without one: None);
+      model.target_path null (a synthesised target): the one the job built (<run.dir>/target), else
+        model.target_config, what it will be built from (no vocab_size until the tokenizer gives one)."""
     import json
     from pathlib import Path
 
     from omegaconf import OmegaConf
 
-    path = OmegaConf.select(cfg, "model.target_path", throw_on_missing=False)   # None when `???`
-    config_json = (Path(cfg.run.dir) / "target" if path is None else Path(path)) / "config.json"
-    if config_json.is_file():
-        return json.loads(config_json.read_text())
-    fields = cfg.model.target_config
-    return OmegaConf.to_container(fields) if fields else None
+    m = cfg.model
+    if not OmegaConf.is_missing(m, "target_path"):
+        built = m.target_path is None
+        config_json = (Path(cfg.run.dir) / "target" if built else Path(m.target_path)) / "config.json"
+        if config_json.is_file():
+            return json.loads(config_json.read_text())
+        if not built:
+            return None
+    return OmegaConf.to_container(m.target_config) if m.target_config else None
 
 
 def _attention_tokens(cfg) -> float | None:

@@ -13,7 +13,6 @@ across reruns, unique, and id // 1024 names the input row.
 """
 from __future__ import annotations
 
-import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +21,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dflash_ray.atomic import atomic_dir
-from dflash_ray.data.formats import BadRows, expand_inputs, iter_chunk, iter_conversations
+from dflash_ray.data.formats import BadRows, count_rows, expand_inputs, iter_chunk, iter_conversations, where
+from dflash_ray.data.report import ProgressCount, format_drops
 from dflash_ray.data.shards import PREPARED_SCHEMA
 from dflash_ray.data.supervision import supervise
 from dflash_ray.errors import UserError
@@ -120,7 +120,7 @@ def add_conversation(tok, conv, opts: Options, summary: PrepareSummary, rows: di
     untrusted turns and bad rows counted in `summary`. The one place both prepare paths decide."""
     def bad(reason: str, detail: str):
         if opts.on_bad_row == "fail":
-            raise UserError(f"{conv.source}: row {conv.row}: {detail}")
+            raise UserError(f"{conv.source}: {where(conv.source, conv.row)}: {detail}")
         summary.bad_rows.add(reason, conv.source, conv.row, detail)
 
     summary.conversations += 1
@@ -179,16 +179,15 @@ def check_inputs(input_path, output: str, shard_size: int | None = None) -> list
     return inputs
 
 
-def no_samples(input_path, summary: PrepareSummary) -> UserError:
-    return UserError(f"{input_path}: no usable conversations (dropped: {dict(summary.dropped) or 'none'}; "
-                     f"{summary.bad_rows.summary_line()})")
+def no_samples(input_path, summary: PrepareSummary, min_supervised: int | None = None) -> UserError:
+    dropped = format_drops(summary.dropped, min_supervised)
+    return UserError(f"{input_path}: no usable conversations (dropped: {dropped}; {summary.bad_rows.summary_line()})")
 
 
 def prepare(input_path, tokenizer_path: str, output: str, *, progress: bool = True, **options) -> PrepareSummary:
     """Single-process prepare: one pass over the inputs, shards of data.shard_size rows written as it goes
-    (the Ray Data job is runtime/jobs/prepare_on_ray.py)."""
-    from tqdm import tqdm
-
+    (the Ray Data job is runtime/jobs/prepare_on_ray.py). `progress`: rows read of all the inputs' rows on
+    stderr (a bar on a terminal, a line every few seconds in logs)."""
     opts = Options(**options)
     inputs = check_inputs(input_path, output)
     tok = load_tokenizer(tokenizer_path)
@@ -204,13 +203,15 @@ def prepare(input_path, tokenizer_path: str, output: str, *, progress: bool = Tr
 
     conversations = iter_conversations(inputs, format=opts.format, on_bad_row=opts.on_bad_row,
                                        report=summary.bad_rows)
-    with atomic_dir(output) as dest:
-        for conv in tqdm(conversations, desc="prepare", unit=" conv", file=sys.stderr,
-                         disable=None if progress else True):  # disable=None: a bar only on a terminal
+    total = count_rows(inputs) if progress else None
+    with atomic_dir(output) as dest, ProgressCount(total, "prepare", "rows", enabled=progress) as bar:
+        for conv in conversations:
             add_conversation(tok, conv, opts, summary, rows)
+            bar.set(conv.id + 1)   # ids run over the inputs' rows, blank lines and bad rows included
             if len(rows["sample_id"]) >= opts.shard_size:
                 flush(dest)
+        bar.set(total or bar.n)
         flush(dest)
         if summary.samples == 0:
-            raise no_samples(input_path, summary)
+            raise no_samples(input_path, summary, opts.min_supervised)
     return summary

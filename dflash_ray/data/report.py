@@ -1,6 +1,9 @@
-"""What the `plan` and `order-stats` commands print: tables and plots (the handlers are in cli.py)."""
+"""What the data commands print: `plan` and `order-stats` tables and plots, `prepare`'s drops, and the
+progress of a long phase (prepare, eval) on stderr. The handlers are in cli.py."""
 from __future__ import annotations
 
+import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -110,3 +113,102 @@ def plot_orders(orders: dict, counts: list[int], path: str) -> None:
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=80)
     plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- prepare's drops
+DROPS = {  # prepare's drop reasons, as a sentence says them ({min}: the supervised-token threshold)
+    "no_assistant_turn": "conversations without an assistant turn",
+    "no_trusted_assistant_turn": "conversations whose assistant turns all have untrusted masks",
+    "assistant_turns_over_1023": "rows past a conversation's 1023rd assistant turn (sample id = conversation x 1024 + turn)",
+    "too_few_supervised_tokens": "samples with fewer than {min} supervised tokens",
+}
+
+
+def format_drops(dropped: dict, min_supervised: int | None = None) -> str:
+    """prepare's drops in words with their counts, e.g. "samples with fewer than 32 (2 x model.block_size)
+    supervised tokens: 3"; "none" when nothing was dropped. `min_supervised`: the threshold prepare
+    used, named by its rule alone when not given."""
+    rule = "2 x model.block_size" if min_supervised is None else f"{min_supervised} (2 x model.block_size)"
+    return ", ".join(f"{DROPS.get(reason, reason).format(min=rule)}: {n}"
+                     for reason, n in sorted(dropped.items()) if n) or "none"
+
+
+# ----------------------------------------------------------------------------- progress
+LINE_EVERY_S = 5.0  # off a terminal: a progress line at most this often
+
+
+def _now() -> float:
+    return time.monotonic()
+
+
+class ProgressCount:
+    """A count toward a known total on stderr: a tqdm bar on a terminal; elsewhere (logs, where a redrawn
+    bar is noise) a line "desc: n/total unit (p%), elapsed, ETA" at most every LINE_EVERY_S seconds and a
+    last one at the end of a phase that printed any. As runtime/progress.py shows training's steps."""
+
+    def __init__(self, total: int | None, desc: str, unit: str, enabled: bool = True):
+        self.total, self.desc, self.unit, self.enabled = total, desc, unit, enabled
+        self.n, self.t0 = 0, _now()
+        self.last_line, self.printed = self.t0, None   # when and at which count the last line was printed
+        self.bar = None
+        if enabled and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, desc=desc, unit=f" {unit}", file=sys.stderr, dynamic_ncols=True)
+
+    def __enter__(self) -> "ProgressCount":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def set(self, n: int) -> None:
+        """The count is now n."""
+        if self.bar is not None:
+            self.bar.update(n - self.n)
+        self.n = n
+        if self.enabled and self.bar is None and n != self.printed and _now() - self.last_line >= LINE_EVERY_S:
+            self.print_line()
+
+    def update(self, k: int = 1) -> None:
+        self.set(self.n + k)
+
+    def line(self) -> str:
+        elapsed = _now() - self.t0
+        if not self.total:
+            return f"{self.desc}: {self.n} {self.unit}, {elapsed:.0f} s"
+        eta = (self.total - self.n) * elapsed / self.n if self.n else float("nan")
+        return (f"{self.desc}: {self.n}/{self.total} {self.unit} ({100 * self.n / self.total:.0f}%), "
+                f"{elapsed:.0f} s, ETA {eta:.0f} s")
+
+    def print_line(self) -> None:
+        print(self.line(), file=sys.stderr, flush=True)
+        self.last_line, self.printed = _now(), self.n
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+        elif self.enabled and self.printed is not None and self.printed != self.n:
+            self.print_line()   # where the phase ended
+
+
+class Tracked(list):
+    """A list whose iteration reports progress: a ProgressCount over its items, each counted as done when the
+    next one is asked for (or the loop ends). For a library that loops over a list once, as tqdm(items) wraps
+    an iterable, with the line form off a terminal; it is still the list (len, ==, indexing)."""
+
+    def __init__(self, items, desc: str, unit: str, enabled: bool = True):
+        super().__init__(items)
+        self.desc, self.unit, self.enabled = desc, unit, enabled
+
+    @property
+    def items(self) -> list:
+        """The plain list (iterating it reports nothing)."""
+        return list(list.__iter__(self))
+
+    def __iter__(self):
+        with ProgressCount(len(self), self.desc, self.unit, self.enabled) as progress:
+            for item in list.__iter__(self):
+                yield item
+                progress.update()

@@ -1,5 +1,5 @@
 """Parquet shards: the schema, atomic writes, and reads that reject bad input with one line naming the
-file (and row) and what is wrong.
+file (and row: "row N (0-based)", the index pyarrow gives it) and what is wrong.
 
 Schema: sample_id int64 (unique over all shards), input_ids list<int32>, loss_mask list<int8>
 (1 on assistant tokens), num_tokens int32; `prepare` also writes num_supervised int32 (the loss mask's
@@ -155,12 +155,17 @@ def _read_open(pf: pq.ParquetFile, path, columns: list[str], optional: tuple[str
     for name in table.column_names:
         col = table.column(name)
         if col.null_count:
-            raise UserError(f"{path}: row {_first_row(col.is_null().to_numpy(zero_copy_only=False))}: null {name}")
+            raise UserError(f"{path}: {_row(_first_row(col.is_null().to_numpy(zero_copy_only=False)))}: null {name}")
     return table
 
 
 def _first_row(mask) -> int:
     return int(np.flatnonzero(np.asarray(mask))[0])
+
+
+def _row(r) -> str:
+    """A shard's row in a message, saying how it is counted (pq.read_table(path).slice(r) is that row)."""
+    return f"row {r} (0-based)"
 
 
 class SampleLengths(NamedTuple):
@@ -204,13 +209,13 @@ def scan_shards(directory, vocab_size: int | None = None, hint: str = "", conten
         sid = t.column("sample_id").to_numpy().astype(np.int64)
         nt = t.column("num_tokens").to_numpy().astype(np.int64)
         if (nt < 0).any():
-            raise UserError(f"{path}: row {_first_row(nt < 0)}: negative num_tokens")
+            raise UserError(f"{path}: {_row(_first_row(nt < 0))}: negative num_tokens")
         if has_sup:
             ns = t.column(SUPERVISED).to_numpy().astype(np.int64)
             bad = (ns < 0) | (ns > nt)
             if bad.any():
                 r = _first_row(bad)
-                raise UserError(f"{path}: row {r}: {SUPERVISED} is {ns[r]}, outside 0..num_tokens ({nt[r]})")
+                raise UserError(f"{path}: {_row(r)}: {SUPERVISED} is {ns[r]}, outside 0..num_tokens ({nt[r]})")
         else:
             ns, missing = nt, missing + 1
         if digests is not None:
@@ -245,14 +250,14 @@ def _check_unique(sample_ids: np.ndarray, files: list[tuple[Path, int]]) -> None
 
     p2, r2 = where(second)
     p1, r1 = where(first)
-    raise UserError(f"{p2}: row {r2}: duplicate sample_id {int(sample_ids[second])} (first seen in {p1} row {r1})")
+    raise UserError(f"{p2}: {_row(r2)}: duplicate sample_id {int(sample_ids[second])} (first seen in {p1} {_row(r1)})")
 
 
 def validate_tokens(path: Path, t: pa.Table, vocab_size: int | None, row_names=None) -> None:
     """Per-row checks of the token columns: lengths agree with num_tokens, ids in range, mask 0/1.
     Messages name the row of `t`, or `sample_id <row_names[r]>` where given (a part of a shard)."""
     def row(r) -> str:
-        return f"row {r}" if row_names is None else f"sample_id {row_names[r]}"
+        return _row(r) if row_names is None else f"sample_id {row_names[r]}"
 
     ids, mask = t.column("input_ids"), t.column("loss_mask")
     n_ids = pc.list_value_length(ids).to_numpy(zero_copy_only=False)
@@ -355,7 +360,7 @@ def _token_range(pf: pq.ParquetFile, path, vocab_size: int, hint: str) -> int:
             bad = _first_row((flat < 0) | (flat >= vocab_size))
             row = row0 + int(np.repeat(np.arange(len(n)), n)[bad])
             what = "negative token id" if flat[bad] < 0 else "token id"
-            raise UserError(f"{path}: row {row}: {what} {flat[bad]} is out of vocabulary (size {vocab_size}){hint}")
+            raise UserError(f"{path}: {_row(row)}: {what} {flat[bad]} is out of vocabulary (size {vocab_size}){hint}")
         top = max(top, hi)
         row0 += md.row_group(rg).num_rows
     return top

@@ -88,7 +88,7 @@ def test_train_refuses_shards_of_another_tokenizer_naming_file_row_and_vocab(
     target = _opt(run_args, "model.target_path")
 
     rc, err, _ = _run("train", _with(run_args, data__shards=shard.parent), capsys)
-    assert _one_line(rc, err) == (f"{shard}: row {row}: token id {token} is out of vocabulary (size 512) of the "
+    assert _one_line(rc, err) == (f"{shard}: row {row} (0-based): token id {token} is out of vocabulary (size 512) of the "
                                   f"target at {Path(target).resolve()}: were the shards prepared with another "
                                   "tokenizer?")
 
