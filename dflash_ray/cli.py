@@ -330,6 +330,7 @@ def regenerate_command(cfg, args) -> int:
     from omegaconf import OmegaConf
 
     from dflash_ray.config import require
+    from dflash_ray.data.prepare import template_kwargs
     from dflash_ray.runtime.cluster import ray_cluster
     from dflash_ray.runtime.jobs.regenerate import regenerate
 
@@ -341,8 +342,8 @@ def regenerate_command(cfg, args) -> int:
     log = (lambda *a, **k: print(*a, file=sys.stderr, **k)) if args.json else print
     with ray_cluster(cluster, log=log):
         counts = regenerate(source, output, target_dir=target, tokenizer_dir=tokenizer, cluster=cluster,
-                            max_new_tokens=cfg.regenerate.max_new_tokens,
-                            batch_size=cfg.regenerate.batch_size, log=log)
+                            max_new_tokens=cfg.regenerate.max_new_tokens, on_max_tokens=cfg.regenerate.on_max_tokens,
+                            template_kwargs=template_kwargs(cfg), batch_size=cfg.regenerate.batch_size, log=log)
     if args.json:
         print(json.dumps(counts, indent=2))
     return 0
@@ -615,6 +616,7 @@ def eval_command(cfg, args) -> int:
     """Greedy speculative decoding of an exported drafter against its target: tau, its distribution,
     target time saved, and a check that the output equals plain greedy decoding (exit 1 if not, in fp32)."""
     from dflash_ray.config import require
+    from dflash_ray.data.prepare import template_kwargs
     from dflash_ray.data.prompts import find_tokenizer, read_prompts
     from dflash_ray.model.evaluate import evaluate_acceptance
     from dflash_ray.sizing.memory import text_config
@@ -629,7 +631,7 @@ def eval_command(cfg, args) -> int:
         if dcfg.get(key) != want:
             raise UserError(f"{drafter_dir}: drafter {key} {dcfg.get(key)} does not fit target {target_dir} ({want})")
     tok = find_tokenizer(cfg.data.tokenizer, target_dir)
-    prompts = read_prompts(require(cfg, "data.prompts"), tok, cfg.eval.max_prompts)
+    prompts = read_prompts(require(cfg, "data.prompts"), tok, cfg.eval.max_prompts, template_kwargs(cfg))
     vocab = int(tcfg["vocab_size"])
     for i, p in enumerate(prompts):
         if not p or min(p) < 0 or max(p) >= vocab:

@@ -158,15 +158,18 @@ class PlanConfig:
 
 
 @dataclass
-class EvalConfig:
-    max_new_tokens: int = 64         # tokens generated per prompt (`dflash-ray eval`)
+class EvalConfig:                    # prompts rendered with data.chat_template_kwargs, as prepare renders
+    max_new_tokens: int = 64         # tokens generated per prompt (`dflash-ray eval`, the held-out tau)
     max_prompts: int = 32            # prompts of data.prompts evaluated at most
 
 
 @dataclass
-class RegenerateConfig:
+class RegenerateConfig:              # renders with data.chat_template_kwargs: give prepare the same
     output: Optional[str] = None     # the regenerated conversations .jsonl
-    max_new_tokens: int = 200        # per assistant turn
+    # tokens per assistant turn at most: the recipe's longest bucket (data.bucket_boundaries), where training
+    # rows are cut anyway; thinking answers run to thousands of tokens, and greedy thinking can loop
+    max_new_tokens: int = 8192
+    on_max_tokens: str = "drop"      # a turn that hits max_new_tokens: drop (it and the rest of its conversation) | keep
     batch_size: int = 32             # conversations per generate() call on a target actor
 
 
@@ -187,7 +190,7 @@ class RootConfig:
 
 CHOICES = {"data.overlong": ("truncate", "drop"), "data.format": FORMATS, "data.on_bad_row": ON_BAD_ROW,
            "data.turns": ("all", "last"), "data.prepare_engine": ("local", "ray"), "data.interleave": STRATEGIES,
-           "train.checkpoint_upload": ("async", "sync")}
+           "train.checkpoint_upload": ("async", "sync"), "regenerate.on_max_tokens": ("drop", "keep")}
 MINIMUM = {"model.block_size": 2, "model.num_draft_layers": 1, "model.num_anchors": 1, "model.anchors_per_batch": 1,
            "model.drafter_intermediate_size": 1, "model.drafter_num_attention_heads": 1,
            "model.drafter_num_key_value_heads": 1,

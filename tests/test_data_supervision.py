@@ -196,3 +196,42 @@ def test_prepare_template_arguments_and_untrusted_turns_are_counted(tok, tmp_pat
     assert rc == 0 and out["samples"] == 1
     assert out["untrusted_turns"] == {"prompt_not_a_prefix_of_turn": 1}
     assert out["dropped"] == {"no_trusted_assistant_turn": 1}
+
+
+def test_a_generated_turn_is_stored_as_the_message_the_template_renders_back_exactly(tok):
+    """Rendering.assistant_message: the stored form of a generated answer is one whose supervision is the
+    generated text and its end token, character for character (expected messages written by hand from
+    QWEN3_STYLE); None when no form renders as generated."""
+    from dflash_ray.data.supervision import Rendering
+
+    history = [{"role": "user", "content": "Count to 3."}]
+    thinking, off = Rendering(tok), Rendering(tok, {"enable_thinking": False})
+    ends = ("<|im_end|>",)
+    assert thinking.assistant_message(history, None, "<think>\none two\n</think>\n\n1 2 3", ends) == \
+        {"role": "assistant", "content": "1 2 3", "reasoning_content": "one two"}
+    assert off.assistant_message(history, None, "1 2 3", ends) == {"role": "assistant", "content": "1 2 3"}
+    # with thinking on, the template writes the think block itself: a plain answer cannot be rendered back
+    assert thinking.assistant_message(history, None, "1 2 3", ends) is None
+    # the template strips the reasoning's newlines: an answer with an extra one would train other text
+    assert thinking.assistant_message(history, None, "<think>\n\none two\n</think>\n\n1 2 3", ends) is None
+    # cut mid-reasoning (no end token): the template closes the think block, which the target never wrote
+    assert thinking.assistant_message(history, None, "<think>\none two", ends + ("",)) is None
+    # and a turn must end with an end token the model declares
+    assert off.assistant_message(history, None, "1 2 3", ("<|endoftext|>",)) is None
+
+
+def test_a_generated_tool_call_is_stored_as_tool_calls_and_recognised(tok):
+    from dflash_ray.data.supervision import Rendering
+
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    history = [{"role": "user", "content": "2+3?"}]
+    text = '<tool_call>\n{"name": "add", "arguments": {"a": 2, "b": 3}}\n</tool_call>'
+    r = Rendering(tok, {"enable_thinking": False})
+    assert r.assistant_message(history, tools, text, ("<|im_end|>",)) == {
+        "role": "assistant", "content": "",
+        "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 2, "b": 3}}}]}
+    assert r.calls_a_tool(text) and r.calls_a_tool("<think>\nr\n</think>\n\n" + text)
+    assert not r.calls_a_tool("<think>\nmaybe <tool_call> later\n</think>\n\nno") and not r.calls_a_tool("5")
+    # a call that is not JSON stays the text it was: rendered back as is
+    broken = "<tool_call>\n{add 2 3}\n</tool_call>"
+    assert r.assistant_message(history, tools, broken, ("<|im_end|>",)) == {"role": "assistant", "content": broken}

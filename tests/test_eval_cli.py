@@ -21,6 +21,20 @@ def _rendered(tok, messages):
     return tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, return_dict=False)
 
 
+def _spy(monkeypatch) -> list:
+    """evaluate_acceptance, recording the prompts eval gives it (the real one runs)."""
+    import dflash_ray.model.evaluate as evaluate
+
+    seen, real = [], evaluate.evaluate_acceptance
+
+    def spy(drafter, target, prompts, *a, **k):
+        seen.append(list(getattr(prompts, "items", prompts)))   # eval may wrap the list for its progress line
+        return real(drafter, target, prompts, *a, **k)
+
+    monkeypatch.setattr(evaluate, "evaluate_acceptance", spy)
+    return seen
+
+
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     """A tiny target and a drafter trained for 10 steps on the target's greedy continuation of the
@@ -61,16 +75,12 @@ def pair(tmp_path_factory):
 def test_eval_reads_conversation_and_text_prompts_and_reports_tau(pair, capsys, monkeypatch):
     """The prompts eval decodes are the chat template's rendering (turns after the last user turn dropped),
     and its tau is the reference's on those prompts (mean of per-prompt means)."""
-    import dflash_ray.model.evaluate as evaluate
-
     root, tokdir, target_dir, drafter_dir = pair
     tok = AutoTokenizer.from_pretrained(str(tokdir))
     prompts = write_jsonl(root / "p.jsonl", [
         {"conversations": CONVERSATION}, {"prompt": TEXT}, {"input_ids": [5, 6, 7, 8]},
     ])
-    seen = []
-    real = evaluate.evaluate_acceptance
-    monkeypatch.setattr(evaluate, "evaluate_acceptance", lambda d, t, p, *a, **k: seen.append(p) or real(d, t, p, *a, **k))
+    seen = _spy(monkeypatch)
     rc = run_command("eval", [f"drafter={drafter_dir}", f"target={target_dir}", f"data.prompts={prompts}",
                               f"data.tokenizer={tokdir}", "eval.max_new_tokens=10", "--json"])
     out = json.loads(capsys.readouterr().out)
@@ -109,7 +119,8 @@ def test_eval_bad_inputs_exit_2_with_one_line(pair, tmp_path, capsys):
     ({"input_ids": []}, "prompt 1: needs 1+ token ids"),
     ({"input_ids": [1, 10**6]}, "prompt 1: needs 1+ token ids"),
     ({"input_ids": ["a"]}, "line 1: input_ids must be a list of integers"),
-    ({"text": "hi"}, "line 1: expected 'conversations', 'prompt' or 'input_ids'"),
+    ({"text": "hi"}, "line 1: expected 'conversations', 'messages', 'prompt' or 'input_ids'"),
+    ({"conversations": [{"from": "alien", "value": "hi"}]}, "line 1: message 0: unknown role 'alien'"),
 ])
 def test_eval_rejects_bad_prompts(pair, tmp_path, capsys, row, expect):
     root, tokdir, target_dir, drafter_dir = pair
@@ -117,6 +128,30 @@ def test_eval_rejects_bad_prompts(pair, tmp_path, capsys, row, expect):
     rc = run_command("eval", [f"drafter={drafter_dir}", f"target={target_dir}", f"data.prompts={bad}"])
     err = capsys.readouterr().err.strip().splitlines()
     assert rc == 2 and len(err) == 1 and expect in err[0], err
+
+
+def test_eval_renders_prompts_as_prepare_does_template_arguments_tools_and_system(pair, tmp_path, capsys,
+                                                                                  monkeypatch):
+    """data.chat_template_kwargs, the row's tools and ShareGPT's system prompt reach the prompt (expected text
+    written by hand from test_data_supervision's Qwen3-style template)."""
+    from test_data_supervision import QWEN3_STYLE
+
+    root, tokdir, target_dir, drafter_dir = pair
+    tok = AutoTokenizer.from_pretrained(str(tokdir))
+    tok.chat_template = QWEN3_STYLE
+    tok.save_pretrained(str(tmp_path / "tok"))
+    tool = {"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}
+    prompts = write_jsonl(tmp_path / "p.jsonl", [{"system": "Be brief.", "tools": [tool], "conversations": [
+        {"from": "human", "value": "Count from 3 to 9."}, {"from": "gpt", "value": "3"}]}])
+    seen = _spy(monkeypatch)
+    rc = run_command("eval", [f"drafter={drafter_dir}", f"target={target_dir}", f"data.prompts={prompts}",
+                              f"data.tokenizer={tmp_path / 'tok'}", "eval.max_new_tokens=4",
+                              "data.chat_template_kwargs={enable_thinking: false}", "--json"])
+    capsys.readouterr()
+    text = ('<|im_start|>system\nBe brief.\n\n# Tools\n<tools>\n{"type": "function", "function": {"name": "add", '
+            '"parameters": {"type": "object"}}}\n</tools><|im_end|>\n<|im_start|>user\nCount from 3 to 9.<|im_end|>\n'
+            '<|im_start|>assistant\n<think>\n\n</think>\n\n')
+    assert rc == 0 and seen == [[tok(text, add_special_tokens=False)["input_ids"]]]
 
 
 def test_eval_rejects_a_drafter_of_another_target(pair, tmp_path, capsys):

@@ -1,8 +1,10 @@
 """Regeneration: every assistant turn replaced by the target's own greedy answer, turn by turn on the
-regenerated history; failures counted by reason. The expected answers come from an independent greedy
-loop (`model.evaluate.greedy_generate`, one sequence, no padding, no cache sharing), not from the
-batched `generate` the regenerator uses. Then the Ray Data job: the same output, resumable, with a bad
-line counted."""
+regenerated history; failures counted by reason; a turn that hits the cap dropped (default) or kept;
+every end token the model declares stops a turn; the text decoded from exactly the generated ids. The
+expected answers come from an independent greedy loop (`model.evaluate.greedy_generate`, one sequence, no
+padding, no cache sharing), not from the batched `generate` the regenerator uses. Then the Ray Data job:
+the same output, ids and fields passed through, resumable (after rows were inserted, after a torn last
+line), with bad lines counted; and the size of its actor pool."""
 from __future__ import annotations
 
 import json
@@ -12,6 +14,7 @@ import torch
 from helpers_data import make_tokenizer, write_jsonl
 from helpers_model import TINY_QWEN3
 
+from dflash_ray.data.supervision import Rendering
 from dflash_ray.tokenizer import load_tokenizer
 from dflash_ray.model.evaluate import greedy_generate
 from dflash_ray.model.generation import TRAINED_MARKER, Regenerator, train_causal_lm
@@ -38,9 +41,11 @@ def world(tmp_path_factory):
     return root, str(tokdir), target, tok
 
 
-def expected_regeneration(conv, tok, target_dir, max_new):
-    """Turn by turn with a plain greedy loop: what the regenerated conversation must be."""
+def expected_regeneration(conv, tok, target_dir, max_new, ends=None):
+    """Turn by turn with a plain greedy loop: what the regenerated conversation must be (turns that hit
+    max_new kept)."""
     model = load_target(target_dir)
+    ends = ends or [tok.eos_token_id]
     history = []
     for m in conv:
         if m["role"] != "assistant":
@@ -48,15 +53,19 @@ def expected_regeneration(conv, tok, target_dir, max_new):
             continue
         prompt = tok.apply_chat_template(history, tokenize=True, add_generation_prompt=True, return_dict=False)
         out = greedy_generate(model, torch.tensor([prompt]), max_new)[0, len(prompt):].tolist()
-        if tok.eos_token_id in out:
-            out = out[:out.index(tok.eos_token_id)]
-        history.append({"role": "assistant", "content": tok.decode(out)})
+        stop = next((k for k, t in enumerate(out) if t in ends), len(out))
+        history.append({"role": "assistant", "content": tok.decode(out[:stop])})
     return history
+
+
+def greedy_tokens(tok, target_dir, messages, n):
+    prompt = tok.apply_chat_template(messages, tokenize=True, add_generation_prompt=True, return_dict=False)
+    return greedy_generate(load_target(target_dir), torch.tensor([prompt]), n)[0, len(prompt):].tolist()
 
 
 def test_regenerated_turns_equal_a_plain_greedy_loop_on_the_regenerated_history(world):
     root, tokdir, target, tok = world
-    regen = Regenerator(target, tokdir, max_new_tokens=12, batch_size=2)
+    regen = Regenerator(target, Rendering(tok), max_new_tokens=12, batch_size=2, on_max_tokens="keep")
     out, counts = regen(CONVS)
     for got, conv in zip(out, CONVS):
         assert [m["role"] for m in got] == [m["role"] for m in conv]
@@ -65,7 +74,19 @@ def test_regenerated_turns_equal_a_plain_greedy_loop_on_the_regenerated_history(
         assert got == expected_regeneration(conv, tok, target, 12)
     assert counts["regenerated turns"] == 3
     # a random target rarely says end-of-turn within 12 tokens: those turns are counted, and kept
-    assert 0 <= counts["hit max_new_tokens"] <= 3
+    assert counts["hit max_new_tokens"] == counts["turns kept without an end token: hit max_new_tokens"]
+
+
+def test_a_turn_that_hits_the_cap_is_dropped_with_the_rest_of_its_conversation_counted(world):
+    root, tokdir, target, tok = world
+    first_answers = [greedy_tokens(tok, target, c[:c.index(next(m for m in c if m["role"] == "assistant"))], 4)
+                     for c in CONVS]
+    assert not any(tok.eos_token_id in a for a in first_answers)   # by the greedy loop: none ends within 4
+    out, counts = Regenerator(target, Rendering(tok), max_new_tokens=4, batch_size=2)(CONVS)
+    assert out == [None, None]
+    assert counts["hit max_new_tokens"] == counts["turns dropped: hit max_new_tokens"] == 2
+    assert counts["assistant turns not reached (the conversation ended early)"] == 1    # CONVS[0]'s second
+    assert counts["conversations left without an assistant turn"] == 2 and counts["regenerated turns"] == 0
 
 
 def test_failures_are_counted_by_reason_and_the_rest_goes_on(world):
@@ -73,11 +94,48 @@ def test_failures_are_counted_by_reason_and_the_rest_goes_on(world):
     too_long = [{"role": "user", "content": "word " * 400}, {"role": "assistant", "content": "x"}]
     bad = [[], [{"role": "user", "content": "no answer wanted"}], [{"role": "assistant", "content": None}],
            "not a list", too_long]
-    out, counts = Regenerator(target, tokdir, max_new_tokens=4, batch_size=8)(CONVS[:1] + bad)
+    out, counts = Regenerator(target, Rendering(tok), max_new_tokens=4, batch_size=8,
+                              on_max_tokens="keep")(CONVS[:1] + bad)
     assert out[0] is not None and all(o is None for o in out[1:])
     assert counts["empty or malformed conversation"] == 4
     assert counts["prompt longer than the target's context"] == 1     # max_position_embeddings 128
     assert counts["regenerated turns"] == 2
+
+
+def test_every_end_token_the_model_declares_stops_a_turn(world, tmp_path):
+    """generation_config's eos (a list, as Qwen3's) ends a turn as the tokenizer's eos does: the answer is
+    the tokens before it, the turn is not capped."""
+    import shutil
+
+    root, tokdir, target, tok = world
+    conv = CONVS[1]
+    greedy = greedy_tokens(tok, target, conv[:2], 12)
+    k = next(k for k in range(2, 12) if greedy[k] not in greedy[:k])          # a token first seen at k >= 2
+    assert tok.eos_token_id not in greedy[:k]
+    declared = tmp_path / "target"
+    shutil.copytree(target, declared)
+    (declared / "generation_config.json").write_text(json.dumps({"eos_token_id": [tok.eos_token_id, greedy[k]]}))
+    out, counts = Regenerator(str(declared), Rendering(tok), max_new_tokens=12, batch_size=2)([conv])
+    assert out[0][2] == {"role": "assistant", "content": tok.decode(greedy[:k])}
+    assert counts["regenerated turns"] == 1 and counts["hit max_new_tokens"] == 0
+
+
+def test_an_unfinished_answer_is_decoded_from_exactly_the_generated_ids(world, tmp_path):
+    """A pad token may be a real token (Qwen3 pads with <|endoftext|>, one of its end tokens): nothing is
+    stripped from what the target generated."""
+    from transformers import AutoTokenizer
+
+    root, tokdir, target, tok = world
+    conv = CONVS[1]
+    greedy = greedy_tokens(tok, target, conv[:2], 6)
+    assert tok.eos_token_id not in greedy
+    padded = AutoTokenizer.from_pretrained(tokdir)
+    padded.pad_token = padded.convert_ids_to_tokens(greedy[1])               # a token the target generates
+    padded.save_pretrained(str(tmp_path / "tok"))
+    ptok = load_tokenizer(str(tmp_path / "tok"))
+    assert ptok.pad_token_id == greedy[1]
+    out, counts = Regenerator(target, Rendering(ptok), max_new_tokens=6, batch_size=2, on_max_tokens="keep")([conv])
+    assert out[0][2]["content"] == ptok.decode(greedy) and counts["hit max_new_tokens"] == 1
 
 
 def test_train_causal_lm_lowers_the_loss_and_runs_once(world, tmp_path):
@@ -92,28 +150,84 @@ def test_train_causal_lm_lowers_the_loss_and_runs_once(world, tmp_path):
     assert (tmp_path / "t" / "model.safetensors").read_bytes() == weights
 
 
-def test_regenerate_job_on_ray_is_resumable_and_counts_bad_lines(world, ray_session, tmp_path):
+def _cpu():
     from types import SimpleNamespace
 
+    return SimpleNamespace(use_gpu=False, target_resource="target_slot", target_workers=1)
+
+
+def _run(src, out, world, **kw):
     from dflash_ray.runtime.jobs.regenerate import regenerate
 
     root, tokdir, target, tok = world
-    src = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "conversations": CONVS[0]}, "{not json",
+    return regenerate(str(src), str(out), target_dir=target, tokenizer_dir=tokdir, cluster=_cpu(),
+                      max_new_tokens=12, batch_size=2, on_max_tokens="keep", log=lambda *a: None, **kw)
+
+
+def _rows(out):
+    return {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
+
+
+def test_regenerate_job_on_ray_keeps_ids_and_fields_is_resumable_and_counts_bad_lines(world, ray_session, tmp_path):
+    root, tokdir, target, tok = world
+    src = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "source": "forum", "conversations": CONVS[0]},
+                                              "{not json",
                                               {"id": "b", "conversations": CONVS[1]},
-                                              {"id": "c", "conversations": []}])
+                                              {"id": "c", "conversations": []},
+                                              {"id": "a", "conversations": CONVS[1]}])
     out = tmp_path / "out.jsonl"
-    cluster = SimpleNamespace(use_gpu=False, target_resource="target_slot", target_workers=1)
-    counts = regenerate(str(src), str(out), target_dir=target, tokenizer_dir=tokdir, cluster=cluster,
-                        max_new_tokens=12, batch_size=2, log=lambda *a: None)
-    assert counts["written"] == 2 and counts["bad row: malformed_json"] == 1
+    counts = _run(src, out, world)
+    assert counts["written"] == 2 and counts["bad row: malformed_json"] == 1 and counts["bad row: duplicate_id"] == 1
     assert counts["bad row: empty_conversation"] == 1 and counts["regenerated turns"] == 3
-    rows = {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
-    assert set(rows) == {"0", "2"}                     # the conversations' ids: their rows in the input
-    assert rows["0"]["conversations"] == expected_regeneration(CONVS[0], tok, target, 12)
-    again = regenerate(str(src), str(out), target_dir=target, tokenizer_dir=tokdir, cluster=cluster,
-                       max_new_tokens=12, batch_size=2, log=lambda *a: None)
+    rows = _rows(out)
+    assert set(rows) == {"a", "b"}                                  # the input's own ids
+    assert rows["a"] == {"id": "a", "source": "forum", "conversations": expected_regeneration(CONVS[0], tok, target, 12)}
+    again = _run(src, out, world)
     assert again["skipped: already in the output"] == 2 and again.get("written", 0) == 0
     assert len(out.read_text().splitlines()) == 2
+
+
+def test_a_resume_repairs_a_torn_last_line_and_keys_on_ids_after_rows_were_inserted(world, ray_session, tmp_path):
+    """Rows without ids get their content's fingerprint: a row inserted before them does not shift them.
+    A run killed mid-write leaves half a line: the rerun cuts it off and redoes that conversation."""
+    root, tokdir, target, tok = world
+    convs = [CONVS[0], CONVS[1], [{"role": "user", "content": "Repeat red blue 3 times."},
+                                  {"role": "assistant", "content": "red blue red blue red blue"}]]
+    out = tmp_path / "out.jsonl"
+    first = _run(write_jsonl(tmp_path / "in.jsonl", [{"conversations": c} for c in convs[:2]]), out, world)
+    assert first["written"] == 2
+    whole = out.read_bytes()
+    last = whole.rstrip(b"\n").rsplit(b"\n", 1)[-1]
+    out.write_bytes(whole[:len(whole) - len(last) // 2 - 1])                  # killed halfway through the last line
+    src = write_jsonl(tmp_path / "in.jsonl", [{"conversations": c} for c in [convs[2]] + convs[:2]])  # one inserted
+    again = _run(src, out, world)
+    assert again["torn last line cut off (its conversation redone)"] == 1
+    assert again["skipped: already in the output"] == 1 and again["written"] == 2
+    lines = out.read_text().splitlines()
+    rows = [json.loads(line) for line in lines]                               # every line whole JSON again
+    assert len(rows) == 3 and len({r["id"] for r in rows}) == 3
+    assert sorted(json.dumps(r["conversations"]) for r in rows) == \
+        sorted(json.dumps(expected_regeneration(c, tok, target, 12)) for c in convs)
+    assert _run(src, out, world)["skipped: already in the output"] == 3
+
+
+def test_regeneration_uses_every_gpu_of_the_cluster():
+    """On GPUs one actor per target_gpus share of every GPU (Ray's count, else the configured split's);
+    on CPUs cluster.target_workers."""
+    from types import SimpleNamespace
+
+    from dflash_ray.runtime.jobs.regenerate import actor_pool_size
+
+    def cluster(**kw):
+        base = dict(use_gpu=True, target_workers=6, drafter_workers=2, target_gpus=1.0, drafter_gpus=1.0)
+        return SimpleNamespace(**{**base, **kw})
+
+    assert actor_pool_size(cluster()) == 8                                   # cluster=8gpu: 6 + 2 GPUs
+    assert actor_pool_size(cluster(), cluster_gpus=8.0) == 8
+    assert actor_pool_size(cluster(target_workers=12, drafter_workers=4), cluster_gpus=16.0) == 16  # multinode
+    assert actor_pool_size(cluster(target_workers=1, drafter_workers=1, target_gpus=0.5, drafter_gpus=0.5),
+                           cluster_gpus=1.0) == 2                            # cluster=1gpu: two halves of one
+    assert actor_pool_size(cluster(use_gpu=False, target_workers=3)) == 3
 
 
 def test_regenerate_command_names_what_is_missing_and_writes_the_output(world, ray_session, tmp_path, capsys):
@@ -125,7 +239,11 @@ def test_regenerate_command_names_what_is_missing_and_writes_the_output(world, r
     assert "config key 'regenerate.output' must be set" in capsys.readouterr().err
     out = tmp_path / "out.jsonl"
     assert main(["regenerate", "--json", f"data.input={src}", f"data.tokenizer={tokdir}",
-                 f"model.target_path={target}", f"regenerate.output={out}", "regenerate.max_new_tokens=6"]) == 0
+                 f"model.target_path={target}", f"regenerate.output={out}", "regenerate.max_new_tokens=6",
+                 "regenerate.on_max_tokens=keep"]) == 0
     assert json.loads(capsys.readouterr().out)["written"] == 1
     [row] = map(json.loads, out.read_text().splitlines())
     assert row["conversations"] == expected_regeneration(CONVS[1], tok, target, 6)
+    assert main(["regenerate", f"data.input={src}", f"data.tokenizer={tokdir}", f"model.target_path={target}",
+                 f"regenerate.output={out}", "regenerate.on_max_tokens=cut"]) == 2
+    assert "regenerate.on_max_tokens" in capsys.readouterr().err

@@ -29,6 +29,8 @@ it (row + 1) for JSON lines, "row N (0-based)" in a parquet file, a JSON list or
 rows of all inputs in `expand_inputs` order: id = (rows in the earlier inputs, blank lines and bad rows
 included) + row. It is unique, independent of on_bad_row, and stable while the inputs and their contents
 are unchanged; for a single jsonl file it equals the 0-based line index (prepare's sample_id before).
+`fields` (only when asked for, `keep_fields=True`: regenerate passes them through): the row's other keys,
+its own "id" among them.
 """
 from __future__ import annotations
 
@@ -44,13 +46,14 @@ from typing import Iterable, Iterator
 from dflash_ray.errors import UserError
 
 __all__ = ["FORMATS", "ON_BAD_ROW", "ROLE_MAP", "EMPTY_LINE", "BadRows", "Chunk", "Conversation", "expand_inputs",
-           "count_rows", "iter_chunk", "iter_conversations", "plan_chunks", "where"]
+           "count_rows", "iter_chunk", "iter_conversations", "normalise_row", "plan_chunks", "where"]
 
 FORMATS = ("auto", "sharegpt", "openai", "conversations")
 ON_BAD_ROW = ("fail", "skip")
 SUFFIXES = (".jsonl", ".json", ".parquet")
 MAX_EXAMPLES = 5
 EMPTY_LINE = "empty_line"
+ROW_KEYS = ("messages", "conversations", "tools", "system")  # what a conversation is read from
 BATCH_ROWS = 1024  # parquet / datasets rows per batch: bounded memory, amortised conversion
 
 # lower-cased role or ShareGPT `from` -> template role; one map, ShareGPT's names are a superset
@@ -74,6 +77,7 @@ class Conversation:
     row: int               # 0-based row index within `source` (jsonl: line index, blank lines included)
     id: int                # running index over all inputs' rows: unique and stable sample id
     format: str            # the row shape: "openai", "sharegpt" or "conversations"
+    fields: dict | None = None  # the row's other keys (keep_fields=True), e.g. its own "id"
 
 
 @dataclass
@@ -272,8 +276,10 @@ def _read_json(path: str) -> Iterator[tuple[int, object]]:
     yield from enumerate(obj)
 
 
-def _read_parquet(path: str, row_groups: tuple = (), first_row: int = 0) -> Iterator[tuple[int, object]]:
-    """Rows of a parquet file (of `row_groups` only when given: a chunk, whose first row is `first_row`)."""
+def _read_parquet(path: str, row_groups: tuple = (), first_row: int = 0,
+                  all_columns: bool = False) -> Iterator[tuple[int, object]]:
+    """Rows of a parquet file (of `row_groups` only when given: a chunk, whose first row is `first_row`);
+    only the columns a conversation is read from unless `all_columns`."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -284,7 +290,7 @@ def _read_parquet(path: str, row_groups: tuple = (), first_row: int = 0) -> Iter
         raise UserError(f"{path}: not a readable parquet file ({_first_line(e)})") from e
     if "messages" not in names and "conversations" not in names:
         raise UserError(f"{path}: no 'messages' or 'conversations' column (columns: {', '.join(names)})")
-    columns = [c for c in ("messages", "conversations", "tools", "system") if c in names]  # skip the rest
+    columns = None if all_columns else [c for c in ROW_KEYS if c in names]  # skip the rest
     batches = pf.iter_batches(batch_size=BATCH_ROWS, columns=columns, row_groups=list(row_groups) or None)
     row = first_row
     while True:
@@ -321,11 +327,12 @@ def _read_hf_dataset(path: str) -> Iterator[tuple[int, object]]:
             row += 1
 
 
-def _read(path: str) -> Iterator[tuple[int, object]]:
+def _read(path: str, all_columns: bool = False) -> Iterator[tuple[int, object]]:
     if os.path.isdir(path):
         return _read_hf_dataset(path)
     suffix = Path(path).suffix.lower()
-    return _read_jsonl(path) if suffix == ".jsonl" else _read_json(path) if suffix == ".json" else _read_parquet(path)
+    return (_read_jsonl(path) if suffix == ".jsonl" else _read_json(path) if suffix == ".json"
+            else _read_parquet(path, all_columns=all_columns))
 
 
 def _first_line(e: BaseException) -> str:
@@ -502,6 +509,16 @@ def _normalise(row, format: str = "auto") -> tuple[str, list[dict], list | None]
     return found, messages, _tools(row.get("tools"))
 
 
+def normalise_row(row, format: str = "auto") -> tuple[list[dict], list | None]:
+    """(messages, tools) of one parsed row, normalised as for prepare (ShareGPT's system prompt first, tools
+    kept); ValueError saying what is wrong for a bad row."""
+    try:
+        _, messages, tools = _normalise(row, format)
+    except _Bad as bad:
+        raise ValueError(bad.detail) from None
+    return messages, tools
+
+
 def _check_choices(format: str, on_bad_row: str) -> None:
     if format not in FORMATS:
         raise UserError(f"data.format: unknown format {format!r} (one of {', '.join(FORMATS)})")
@@ -510,7 +527,7 @@ def _check_choices(format: str, on_bad_row: str) -> None:
 
 
 def _conversations(path: str, rows: Iterator[tuple[int, object]], base: int, format: str, on_bad_row: str,
-                   report: BadRows) -> Iterator[Conversation]:
+                   report: BadRows, keep_fields: bool = False) -> Iterator[Conversation]:
     """The conversations of (row, parsed object) pairs of one file whose row 0 has id `base`."""
     for row, obj in rows:
         if obj is _EMPTY:
@@ -525,18 +542,20 @@ def _conversations(path: str, rows: Iterator[tuple[int, object]], base: int, for
                 raise UserError(f"{path}: {where(path, row)}: {bad.detail}") from None
             report.add(bad.reason, path, row, bad.detail)
             continue
-        yield Conversation(messages, tools, path, row, base + row, found)
+        fields = {k: v for k, v in obj.items() if k not in ROW_KEYS} if keep_fields else None
+        yield Conversation(messages, tools, path, row, base + row, found, fields)
 
 
 def iter_conversations(spec, format: str = "auto", on_bad_row: str = "fail",
-                       report: BadRows | None = None) -> Iterator[Conversation]:
+                       report: BadRows | None = None, keep_fields: bool = False) -> Iterator[Conversation]:
     """Every conversation of the inputs named by `spec` (see expand_inputs), normalised, in input order.
 
     A bad row raises UserError("<path>: line <n>: <what is wrong>") (`where`: "row <n> (0-based)" outside
     JSON lines) under on_bad_row="fail"; under "skip" it is
     recorded in `report` and passed over. Blank jsonl lines are counted in `report` as "empty_line".
     Problems with a whole file (missing, unreadable, no conversation column) always raise.
-    Conversations without an assistant turn are yielded: the caller decides about those."""
+    Conversations without an assistant turn are yielded: the caller decides about those. keep_fields: each
+    conversation's `fields` holds the row's other keys."""
     _check_choices(format, on_bad_row)
     report = BadRows() if report is None else report
     base = 0
@@ -548,7 +567,8 @@ def iter_conversations(spec, format: str = "auto", on_bad_row: str = "fail",
                 last[0] = row
                 yield row, obj
 
-        yield from _conversations(path, counted(_read(path)), base, format, on_bad_row, report)
+        yield from _conversations(path, counted(_read(path, keep_fields)), base, format, on_bad_row, report,
+                                  keep_fields)
         base += last[0] + 1
 
 

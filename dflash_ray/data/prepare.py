@@ -83,14 +83,20 @@ def _check_output_dir(out: Path, src: Path) -> None:
                         "choose an empty or new data.output")
 
 
-def options_from_config(cfg) -> dict:
-    """prepare()'s keyword arguments from the config (the command and the embedded default's data)."""
+def template_kwargs(cfg) -> dict | None:
+    """data.chat_template_kwargs as a plain dict (None when unset): the served template's arguments, which
+    prepare, regenerate, eval and the held-out tau all render with."""
     from omegaconf import OmegaConf
 
+    kwargs = cfg.data.chat_template_kwargs
+    return OmegaConf.to_container(kwargs) if kwargs else None
+
+
+def options_from_config(cfg) -> dict:
+    """prepare()'s keyword arguments from the config (the command and the embedded default's data)."""
     d = cfg.data
     return dict(shard_size=d.shard_size, min_supervised=2 * cfg.model.block_size, vocab_size=d.vocab_size,
-                format=d.format, on_bad_row=d.on_bad_row, turns=d.turns,
-                template_kwargs=OmegaConf.to_container(d.chat_template_kwargs) if d.chat_template_kwargs else None)
+                format=d.format, on_bad_row=d.on_bad_row, turns=d.turns, template_kwargs=template_kwargs(cfg))
 
 
 @dataclass(frozen=True)

@@ -4,9 +4,20 @@ drafter must learn to predict: the target, not the dataset's authors).
 
 Regeneration walks each conversation's assistant turns in order; turn t is generated from the
 conversation as regenerated so far (history up to that turn, earlier assistant turns already replaced),
-rendered with the tokenizer's chat template and its generation prompt, exactly as a serving engine
-renders it. Generation is batched (left-padded, KV cache: `transformers`' `generate`), greedy, and stops
-at the template's end-of-turn token or `max_new_tokens`. Problems are counted per reason, never raised.
+rendered as the deployment renders it: `rendering` (data/supervision.py's Rendering, passed in by the
+caller: the model layer imports no data code) is the chat template with the deployment's template
+arguments and the row's tools, the one path `prepare` supervises with. Generation is batched (left-padded,
+KV cache: `transformers`' `generate`), greedy, and stops at any end token the model declares (the
+tokenizer's eos and every eos of the model's generation_config: Qwen3 lists <|im_end|> and <|endoftext|>)
+or at `max_new_tokens`. The answer is decoded from exactly the generated ids before the end token, and
+stored as the message whose supervision in `prepare` is exactly that text and its end token
+(Rendering.assistant_message).
+
+A conversation ends early, its turns so far kept (counted by reason; dropped whole when no assistant turn is
+left): at a turn that hit the cap (on_max_tokens="drop"; "keep" keeps it, without an end token, and goes
+on), at a turn the template cannot render as generated, at a prompt longer than the target's context, and
+after the first turn where the target calls a tool or the recorded conversation goes on with tool
+results (the recorded results no longer answer what the target did). Problems are counted, never raised.
 """
 from __future__ import annotations
 
@@ -72,79 +83,143 @@ def train_causal_lm(model_dir: str, sequences: list[list[int]], *, steps: int, l
     return figures
 
 
+ON_MAX_TOKENS = ("drop", "keep")
+
+
+def end_token_ids(tok, model) -> list[int]:
+    """Every token id that ends a turn: the tokenizer's eos and each eos of the model's generation_config
+    (an int or a list), in that order, once each."""
+    ids = [tok.eos_token_id]
+    declared = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    ids += declared if isinstance(declared, (list, tuple)) else [declared]
+    return list(dict.fromkeys(int(i) for i in ids if i is not None))
+
+
 class Regenerator:
     """Regenerates conversations with a target (greedy, batched). Reused across batches of a job."""
 
-    def __init__(self, target_dir: str, tokenizer_dir: str, *, max_new_tokens: int, batch_size: int = 32,
-                 device: str | torch.device = "cpu"):
-        from dflash_ray.tokenizer import load_tokenizer
+    def __init__(self, target_dir: str, rendering, *, max_new_tokens: int, batch_size: int = 32,
+                 on_max_tokens: str = "drop", device: str | torch.device = "cpu"):
         from dflash_ray.model.target import load_target
 
-        self.tok = load_tokenizer(tokenizer_dir)
+        if on_max_tokens not in ON_MAX_TOKENS:
+            raise ValueError(f"on_max_tokens: {on_max_tokens!r} is not one of {', '.join(ON_MAX_TOKENS)}")
+        self.rendering, self.tok = rendering, rendering.tok
         self.device = torch.device(device)
         self.model = load_target(target_dir, device=self.device)
         self.max_new_tokens, self.batch_size = int(max_new_tokens), int(batch_size)
+        self.on_max_tokens = on_max_tokens
         self.max_context = int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
-        self.eot = self.tok.eos_token_id
+        self.ends = end_token_ids(self.tok, self.model)
+        self.end_texts = tuple(self.tok.decode([t]) for t in self.ends)
 
-    def __call__(self, conversations: list) -> tuple[list, Counter]:
-        """Regenerated conversations (None where one failed) and counts by reason: 'regenerated turns',
-        'hit max_new_tokens' (kept, without an end-of-turn), 'prompt longer than the target's context',
-        'empty or malformed conversation' (the conversation is dropped)."""
+    def __call__(self, conversations: list, tools: list | None = None) -> tuple[list, Counter]:
+        """Regenerated conversations (None where none is left) and counts by reason. `tools`: each
+        conversation's tool definitions (None: none)."""
         counts = Counter()
+        tools = list(tools) if tools is not None else [None] * len(conversations)
         out = [None] * len(conversations)
         history: dict[int, list] = {}
         pending: dict[int, list] = {}
+        prompts: dict[int, list[int]] = {}
+
+        def finish(i: int, messages: list, early: bool) -> None:
+            """Conversation i ends with `messages`; early: cut after its last kept assistant turn (the
+            source's assistant turns not reached are counted)."""
+            rest = pending.pop(i)
+            if early:
+                counts["assistant turns not reached (the conversation ended early)"] += sum(
+                    m["role"] == "assistant" for m in rest)
+                last = max((k for k, m in enumerate(messages) if m["role"] == "assistant"), default=None)
+                messages = messages[:last + 1] if last is not None else []
+            if any(m["role"] == "assistant" for m in messages):
+                out[i] = messages
+            else:
+                counts["conversations left without an assistant turn"] += 1
+            del history[i]
+
         for i, conv in enumerate(conversations):
             if not _well_formed(conv):
                 counts["empty or malformed conversation"] += 1
                 continue
             history[i], pending[i] = [], list(conv)
         while pending:
-            prompts = {}
+            prompts.clear()
             for i in list(pending):
                 rest = pending[i]
                 turn = next((t for t, m in enumerate(rest) if m["role"] == "assistant"), None)
                 if turn is None:                                 # no assistant turn left: done
-                    out[i] = history[i] + rest
-                    del pending[i]
+                    finish(i, history[i] + rest, early=False)
                     continue
                 history[i] += rest[:turn]
                 pending[i] = rest[turn + 1:]
-                ids = self.tok.apply_chat_template(history[i], tokenize=True, add_generation_prompt=True,
-                                                   return_dict=False)
+                try:
+                    ids = self.rendering.prompt_ids(history[i], tools[i])[1]
+                except Exception:                                # the template's own errors (jinja2)
+                    counts["chat template failed"] += 1
+                    finish(i, history[i], early=True)
+                    continue
                 if len(ids) + 1 > self.max_context:
                     counts["prompt longer than the target's context"] += 1
-                    del pending[i], history[i]
+                    finish(i, history[i], early=True)
                     continue
                 prompts[i] = ids
             order = sorted(prompts, key=lambda i: len(prompts[i]))
             for a in range(0, len(order), self.batch_size):
                 chunk = order[a:a + self.batch_size]
-                for i, (text, stopped) in zip(chunk, self._generate([prompts[i] for i in chunk])):
-                    history[i].append({"role": "assistant", "content": text})
-                    counts["regenerated turns"] += 1
-                    if not stopped:
-                        counts["hit max_new_tokens"] += 1
+                for i, (text, stopped, capped_by) in zip(chunk, self._generate([prompts[i] for i in chunk])):
+                    self._add_turn(i, text, stopped, capped_by, history, pending, tools, counts, finish)
         return out, counts
 
+    def _add_turn(self, i, text, stopped, capped_by, history, pending, tools, counts, finish) -> None:
+        if not stopped:
+            counts[f"hit {capped_by}"] += 1
+            if self.on_max_tokens == "drop":
+                counts[f"turns dropped: hit {capped_by}"] += 1
+                finish(i, history[i], early=True)
+                return
+        ends = self.end_texts if stopped else self.end_texts + ("",)
+        message = self.rendering.assistant_message(history[i], tools[i], text, ends)
+        if message is None:
+            counts["turns dropped: the chat template does not render them as generated"] += 1
+            finish(i, history[i], early=True)
+            return
+        history[i].append(message)
+        counts["regenerated turns"] += 1
+        if not stopped:
+            counts[f"turns kept without an end token: hit {capped_by}"] += 1
+        if self.rendering.calls_a_tool(text):
+            counts["stopped at the target's first tool call"] += 1
+            finish(i, history[i], early=True)
+        elif pending[i] and pending[i][0]["role"] == "tool":
+            counts["stopped before recorded tool results (the target called no tool)"] += 1
+            finish(i, history[i], early=True)
+
     @torch.inference_mode()
-    def _generate(self, prompts: list[list[int]]) -> list[tuple[str, bool]]:
+    def _generate(self, prompts: list[list[int]]) -> list[tuple[str, bool, str]]:
+        """(text, stopped at an end token, what capped it: 'max_new_tokens' or 'the target's context') per
+        prompt; text is decoded from exactly the ids generated before the end token."""
+        from transformers import GenerationConfig
+
         width = max(len(p) for p in prompts)
-        pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else 0
+        pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.ends[0]
         ids = torch.full((len(prompts), width), pad, dtype=torch.long)
         attn = torch.zeros_like(ids)
         for r, p in enumerate(prompts):                          # left padding: generation appends on the right
             ids[r, width - len(p):] = torch.tensor(p)
             attn[r, width - len(p):] = 1
         new = min(self.max_new_tokens, self.max_context - width)
-        gen = self.model.generate(ids.to(self.device), attention_mask=attn.to(self.device), max_new_tokens=new,
-                                  do_sample=False, eos_token_id=self.eot, pad_token_id=pad)[:, width:].tolist()
-        results = []
+        capped_by = "max_new_tokens" if new == self.max_new_tokens else "the target's context"
+        # a config of its own: greedy, whatever sampling the model's generation_config suggests
+        config = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=self.ends, pad_token_id=pad)
+        gen = self.model.generate(ids.to(self.device), attention_mask=attn.to(self.device),
+                                  generation_config=config)[:, width:].tolist()
+        ends, results = set(self.ends), []
         for row in gen:
-            stopped = self.eot in row
-            row = row[:row.index(self.eot)] if stopped else [t for t in row if t != pad]
-            results.append((self.tok.decode(row), stopped))
+            stop = next((k for k, t in enumerate(row) if t in ends), None)
+            # a row that never stopped generated `new` tokens: generate pads only after a row's end token
+            body = row if stop is None else row[:stop]
+            results.append((self.tok.decode(body), stop is not None, capped_by))
         return results
 
 

@@ -3,89 +3,197 @@ greedy answer, as a Ray Data job.
 
     conversations in any format prepare reads (bad rows counted by reason; ids already in the output skipped: resumable)
       -> ray.data.from_items(one row per conversation)
-      -> .map_batches(RegenerateActor) actor pool    one actor per target GPU (a custom resource on CPU
-                                                     machines), batched greedy generation with a KV cache
+      -> .map_batches(RegenerateActor) actor pool    on GPUs one actor per target_gpus share of every GPU the
+                                                     cluster has (regeneration is the cluster's only job);
+                                                     on CPUs cluster.target_workers (a custom resource);
+                                                     batched greedy generation with a KV cache
       -> appended to the output .jsonl as batches finish, ready for `prepare`
 
-Failures are counted by reason and reported, never fatal to the job: a malformed line, an empty or
-malformed conversation, a prompt longer than the target's context (those conversations are left out),
-a generation that hit `regenerate.max_new_tokens` (kept, without an end-of-turn token).
+Rendered as `prepare` renders (data/supervision.py's Rendering: data.chat_template_kwargs, the row's tools
+and system prompt), so each regenerated turn is supervised in `prepare` exactly as it was generated, when
+both steps get the same data.chat_template_kwargs.
+
+Rows keep their own "id" and other fields; a row without an id gets "sha1:<12 hex>" of its normalised
+conversation and tools (stable when rows are inserted or edited). A rerun skips the ids already in the
+output; a torn last line (a run killed mid-write) is cut off first, and its conversation redone.
+
+Failures are counted by reason and reported, never fatal to the job: a malformed line, a duplicate id, an
+empty or malformed conversation, a prompt longer than the target's context, a turn that hit
+`regenerate.max_new_tokens` (dropped with the rest of its conversation, or kept: regenerate.on_max_tokens),
+a turn the template cannot render as generated, a conversation stopped at a tool call (model/generation.py).
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 from collections import Counter
 from pathlib import Path
 
+from dflash_ray.errors import UserError
 
 
 class RegenerateActor:
     """Holds the target on its device; regenerates a batch of conversations."""
 
-    def __init__(self, target_dir: str, tokenizer_dir: str, max_new_tokens: int, batch_size: int, use_gpu: bool):
+    def __init__(self, target_dir: str, tokenizer_dir: str, max_new_tokens: int, batch_size: int, use_gpu: bool,
+                 on_max_tokens: str = "drop", template_kwargs: dict | None = None, gpu_share: float = 1.0):
         import torch
 
+        from dflash_ray.data.supervision import Rendering
         from dflash_ray.model.generation import Regenerator
+        from dflash_ray.runtime.cluster import cap_gpu_memory
+        from dflash_ray.tokenizer import load_tokenizer
 
-        if not use_gpu:
+        if use_gpu:
+            cap_gpu_memory(gpu_share)
+        else:
             torch.set_num_threads(1)
-        self.regen = Regenerator(target_dir, tokenizer_dir, max_new_tokens=max_new_tokens, batch_size=batch_size,
+        self.regen = Regenerator(target_dir, Rendering(load_tokenizer(tokenizer_dir), template_kwargs),
+                                 max_new_tokens=max_new_tokens, batch_size=batch_size, on_max_tokens=on_max_tokens,
                                  device="cuda" if use_gpu else "cpu")
 
     def __call__(self, batch: dict) -> dict:
         import numpy as np
 
         rows = [json.loads(r) for r in batch["row"]]
-        out, counts = self.regen([r.get("conversations") for r in rows])
-        lines = [json.dumps({**r, "conversations": c}) if c is not None else "" for r, c in zip(rows, out)]
+        out, counts = self.regen([r["messages"] for r in rows], [r["tools"] for r in rows])
+        lines = [json.dumps(output_row(r, c), ensure_ascii=False, default=str) if c is not None else ""
+                 for r, c in zip(rows, out)]
         return {"line": np.array(lines, dtype=object),
                 "counts": np.array([json.dumps(counts)] + [""] * (len(rows) - 1), dtype=object)}
 
 
+def output_row(row: dict, conversation: list) -> dict:
+    """The output line of a regenerated conversation: the input row's own fields, its id, the regenerated
+    messages (this project's rows: role/content, reasoning_content, tool_calls) and its tools."""
+    return {**row["fields"], "id": row["id"], "conversations": conversation,
+            **({"tools": row["tools"]} if row["tools"] else {})}
+
+
+def fingerprint(messages: list, tools) -> str:
+    """The id of a row that has none: its normalised conversation and tools, hashed."""
+    blob = json.dumps([messages, tools], sort_keys=True, ensure_ascii=False, default=str)
+    return "sha1:" + hashlib.sha1(blob.encode("utf-8")).hexdigest()[:12]
+
+
 def read_conversations(path: str) -> tuple[list[dict], Counter]:
     """The conversations of the input (any format `prepare` reads: ShareGPT, OpenAI messages, this
-    project's rows; jsonl, json, parquet, a directory or a glob), normalised to this project's rows with
-    their conversation id (the running row index) as "id"; bad rows are counted by reason, not fatal."""
+    project's rows; jsonl, json, parquet, a directory or a glob), normalised, each with its "id" (the row's
+    own, else its fingerprint), its tools and the row's other fields; bad rows are counted by reason, not
+    fatal (a second row with an id already seen counts as 'duplicate_id')."""
     from dflash_ray.data.formats import EMPTY_LINE, BadRows, iter_conversations
 
     report = BadRows()
-    rows = [{"id": str(c.id), "conversations": c.messages, **({"tools": c.tools} if c.tools else {})}
-            for c in iter_conversations(path, on_bad_row="skip", report=report)]
+    rows, seen = [], set()
+    for c in iter_conversations(path, on_bad_row="skip", report=report, keep_fields=True):
+        fields = dict(c.fields)
+        own = fields.pop("id", None)
+        if own is not None and (isinstance(own, bool) or not isinstance(own, (str, int))):
+            report.add("bad_id", c.source, c.row, f"'id' is a {type(own).__name__}, not a string or an integer")
+            continue
+        rid = own if own is not None else fingerprint(c.messages, c.tools)
+        if str(rid) in seen:
+            report.add("duplicate_id", c.source, c.row, f"id {rid!r} already given to an earlier row")
+            continue
+        seen.add(str(rid))
+        rows.append({"id": rid, "messages": c.messages, "tools": c.tools, "fields": fields})
     return rows, Counter({f"bad row: {reason}": n for reason, n in report.counts.items() if reason != EMPTY_LINE})
 
 
+def read_done(out: Path) -> tuple[set[str], Counter]:
+    """The ids already in the output (as strings), after repairing a torn last line: a line without its
+    newline (a run killed mid-write) is cut off, its conversation to be redone; a last line that is a whole
+    row but lacks the newline gets one. A malformed line before the last is not regenerate's: UserError."""
+    done, counts = set(), Counter()
+    if not out.exists():
+        return done, counts
+    tail_at, tail = 0, b""
+    with open(out, "rb") as f:
+        for n, line in enumerate(f, start=1):
+            if not line.endswith(b"\n"):                 # only the last line can lack its newline
+                tail = line
+                break
+            tail_at += len(line)
+            if not line.strip():
+                continue
+            rid = _row_id(line)
+            if rid is None:
+                raise UserError(f"{out}: line {n}: not a JSON row with an 'id' (regenerate did not write it); "
+                                "fix or remove the line, or choose another regenerate.output")
+            done.add(rid)
+    if tail:
+        rid = _row_id(tail)
+        with open(out, "r+b") as f:
+            if rid is None:
+                f.truncate(tail_at)
+                counts["torn last line cut off (its conversation redone)"] += 1
+            else:
+                f.seek(0, os.SEEK_END)
+                f.write(b"\n")
+                done.add(rid)
+            f.flush()
+            os.fsync(f.fileno())
+    return done, counts
+
+
+def _row_id(line: bytes) -> str | None:
+    try:
+        row = json.loads(line)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return None
+    rid = row.get("id") if isinstance(row, dict) else None
+    return None if rid is None or isinstance(rid, (dict, list)) else str(rid)
+
+
+def actor_pool_size(cluster, cluster_gpus: float | None = None) -> int:
+    """Target actors of the regeneration. On GPUs: every GPU of the cluster generates, one actor per
+    cluster.target_gpus share (`cluster_gpus`: Ray's count of the cluster's GPUs; None or 0: the configured
+    split's, target_workers x target_gpus + drafter_workers x drafter_gpus). On CPUs: cluster.target_workers
+    (each takes one of the custom resource the local Ray has target_workers of)."""
+    if not cluster.use_gpu:
+        return int(cluster.target_workers)
+    gpus = cluster_gpus or (cluster.target_workers * cluster.target_gpus + cluster.drafter_workers * cluster.drafter_gpus)
+    return max(1, int(gpus / cluster.target_gpus + 1e-9))
+
+
 def regenerate(input_path: str, output_path: str, *, target_dir: str, tokenizer_dir: str, cluster,
-               max_new_tokens: int, batch_size: int, log=print) -> dict:
+               max_new_tokens: int, batch_size: int, on_max_tokens: str = "keep",
+               template_kwargs: dict | None = None, log=print) -> dict:
     """Run the job on the connected Ray cluster. Returns the counts by reason (and 'written', 'skipped:
-    already in the output')."""
+    already in the output', 'actors'). `on_max_tokens`: the command passes regenerate.on_max_tokens (default
+    drop); a caller that does not choose keeps capped turns, as regeneration did before the choice existed
+    (the embedded demo's call)."""
     import ray
     from ray.data import ActorPoolStrategy
 
     rows, counts = read_conversations(input_path)
     out = Path(output_path)
-    done = set()
-    if out.exists():
-        with open(out) as f:
-            for line in f:
-                try:
-                    done.add(str(json.loads(line)["id"]))
-                except (json.JSONDecodeError, KeyError, TypeError):
-                    pass  # a torn last line of an interrupted run: that conversation is redone
-    todo = [r for r in rows if r["id"] not in done]
-    counts["skipped: already in the output"] = len(rows) - len(todo)
     out.parent.mkdir(parents=True, exist_ok=True)
+    done, repaired = read_done(out)
+    counts.update(repaired)
+    todo = [r for r in rows if str(r["id"]) not in done]
+    counts["skipped: already in the output"] = len(rows) - len(todo)
+    gone = len(done - {str(r["id"]) for r in rows})
+    if gone:
+        counts["in the output but no longer in the input"] = gone
     if todo:
         res = (dict(num_gpus=cluster.target_gpus) if cluster.use_gpu
                else dict(num_cpus=0.5, resources={cluster.target_resource: 1}))
         per_block = max(1, batch_size)
-        ds = ray.data.from_items([{"row": json.dumps(r)} for r in todo],
-                                 override_num_blocks=max(1, -(-len(todo) // per_block)))
+        blocks = max(1, -(-len(todo) // per_block))
+        gpus = ray.cluster_resources().get("GPU") if cluster.use_gpu else None
+        counts["actors"] = actors = min(actor_pool_size(cluster, gpus), blocks)
+        ds = ray.data.from_items([{"row": json.dumps(r, ensure_ascii=False, default=str)} for r in todo],
+                                 override_num_blocks=blocks)
         ds = ds.map_batches(
-            RegenerateActor, batch_size=per_block, compute=ActorPoolStrategy(size=cluster.target_workers),
+            RegenerateActor, batch_size=per_block, compute=ActorPoolStrategy(size=actors),
             fn_constructor_kwargs=dict(target_dir=str(target_dir), tokenizer_dir=str(tokenizer_dir),
-                                       max_new_tokens=max_new_tokens, batch_size=batch_size, use_gpu=cluster.use_gpu),
+                                       max_new_tokens=max_new_tokens, batch_size=batch_size, use_gpu=cluster.use_gpu,
+                                       on_max_tokens=on_max_tokens, template_kwargs=template_kwargs,
+                                       gpu_share=cluster.target_gpus if cluster.use_gpu else 1.0),
             **res)
-        with open(out, "a") as f:
+        with open(out, "a", encoding="utf-8") as f:
             for batch in ds.iter_batches(batch_size=None, batch_format="numpy"):
                 for line in batch["line"]:
                     if line:
