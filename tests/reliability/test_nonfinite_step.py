@@ -147,6 +147,7 @@ def _ddp_worker(rank: int, root: str) -> None:
     torch.set_num_threads(1)
     inputs = torch.load(f"{root}/inputs.pt", weights_only=False)
     dist.init_process_group("gloo", init_method=f"file://{root}/store", rank=rank, world_size=2)
+    model = None
     try:
         drafter = inputs["drafter"]
         model = nn.parallel.DistributedDataParallel(LossModule(drafter), broadcast_buffers=False,
@@ -156,6 +157,10 @@ def _ddp_worker(rank: int, root: str) -> None:
                        seed=0, grad_clip=1.0, device="cpu", all_reduce=dist.all_reduce)
         torch.save({"result": r, "weights": weights(drafter)}, f"{root}/rank{rank}.pt")
     finally:
+        # DDP's reducer goes while its process group is alive: a rank whose DDP object was destroyed after
+        # the group (at the function's return) hung there for the whole time-out under CPU load, its result
+        # already saved (seen in the suite, also at the commit before the runtime's reshape)
+        del model
         dist.destroy_process_group()
 
 
@@ -173,7 +178,8 @@ def test_a_nan_filler_on_one_ddp_rank_adds_nothing(drafter_and_width, tmp_path):
     # a rank stuck for 240 s prints where and exits, rather than hanging the suite
     procs = [subprocess.Popen(
         [sys.executable, "-c", "import faulthandler, sys; faulthandler.dump_traceback_later(240, exit=True); "
-         f"sys.path[:0] = {sys.path!r}; from {__name__} import _ddp_worker; _ddp_worker({rank}, {str(tmp_path)!r})"],
+         f"sys.path[:0] = {sys.path!r}; from {__name__} import _ddp_worker; _ddp_worker({rank}, {str(tmp_path)!r}); "
+         "import os; os._exit(0)"],   # its result is saved: the interpreter's teardown of gloo is not under test
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
     outs = [p.communicate(timeout=300)[0] for p in procs]
     assert [p.returncode for p in procs] == [0, 0], "\n".join(outs)[-4000:]
