@@ -44,7 +44,7 @@ CONF_DIR = Path(os.environ.get("DFLASH_RAY_CONF", Path(__file__).resolve().paren
 class ModelConfig:
     name: str = "tiny"                           # the preset's name (recorded with the run)
     target_path: Optional[str] = None            # the target's Hugging Face directory (or hub id); null: built from target_config
-    target_config: Dict[str, Any] = field(default_factory=dict)  # config fields of a synthetic target (target_path null)
+    target_config: Dict[str, Any] = field(default_factory=dict)  # the target's config fields: a synthetic target's (target_path null), or a preset's copy of its real target's shape for `plan` before a download
     num_draft_layers: int = 5                    # drafter decoder layers
     target_layer_ids: Optional[List[int]] = None  # target layers tapped for features (null: round(1 + i*(L-4)/(n-1)))
     block_size: int = 16                         # tokens per draft block (the anchor and its B-1 masked positions)

@@ -89,7 +89,7 @@ def prepare_on_ray(input_path, tokenizer_path: str, output: str, *, rows_per_tas
             raise UserError(part.bad_rows.messages[first])
         summary.merge(part)
     if summary.samples == 0:
-        raise no_samples(input_path, summary)
+        raise no_samples(input_path, summary, opts.min_supervised)
     with atomic_dir(output) as dest:
         written = dest / "ray"
         done.filter(expr=col("sample_id") >= 0).drop_columns([COUNTS]).write_parquet(
