@@ -571,12 +571,16 @@ def compare_orders_command(cfg, args) -> int:
 
 def export_command(cfg, args) -> int:
     """Export the latest checkpoint of a run (local or remote storage) to <run.dir>/export."""
-    from dflash_ray.runtime.training.checkpoint import export_latest
+    from dflash_ray.runtime.record.layout import RunLayout
+    from dflash_ray.runtime.record.summary import model_card_facts
     from dflash_ray.runtime.spec import resolve_spec
+    from dflash_ray.runtime.training.checkpoint import export_latest
 
     # the checkpoint and the drafter's shape only: the shards are not read (they may have changed or be gone)
     run_spec = resolve_spec(cfg, log=lambda *a, **k: None, inputs=False)
-    exported = export_latest(run_spec, dtype=args.dtype)
+    summary = RunLayout(run_spec.run_dir).summary    # the run's facts for the model card, when it has them
+    facts = model_card_facts(run_spec, json.loads(summary.read_text()) if summary.exists() else None)
+    exported = export_latest(run_spec, dtype=args.dtype, card=facts)
     if exported is None:
         raise UserError(f"{run_spec.experiment_dir}: no checkpoint to export (train the run first)")
     print(f"exported {exported[0]} -> {exported[1]}")

@@ -34,7 +34,8 @@ def main_job(cfg, *, progress: bool = True, log=print, plan_log=print):
     from dflash_ray.runtime.record import trackers
     from dflash_ray.runtime.record.heldout import final_tau
     from dflash_ray.runtime.record.layout import RunLayout
-    from dflash_ray.runtime.record.summary import build_summary
+    from dflash_ray.model.export import write_model_card
+    from dflash_ray.runtime.record.summary import build_summary, model_card_facts
     from dflash_ray.runtime.spec import RunPlans, resolve_spec
     from dflash_ray.runtime.training.checkpoint import export_latest
     from dflash_ray.runtime.training.trainer import fit
@@ -64,6 +65,8 @@ def main_job(cfg, *, progress: bool = True, log=print, plan_log=print):
         # held-out tau of the fresh and the trained drafter, on a target GPU now that training let it go
         summary["heldout_tau"] = (final_tau(run_spec, summary["export"])
                                   if run_spec.heldout and summary["export"] else None)
+    if summary["export"]:   # the export's model card: the target, data, steps and the held-out tau just measured
+        write_model_card(summary["export"], model_card_facts(run_spec, summary))
     write_json_atomic(RunLayout(run_spec.run_dir).summary, summary)
     trackers.end_run(run_spec, summary, log=log)   # export/ and best/ as artifacts, final tau, FINISHED
     return run_spec, summary

@@ -39,6 +39,9 @@ def test_trained_drafter_speeds_up_the_target_on_heldout_prompts(demo, monkeypat
                                            spec.heldout_max_new_tokens, [spec_eos(spec)], monkeypatch)
     reference_tau = sum(sum(x) / len(x) for x in lengths) / len(lengths)
     assert reference_tau == pytest.approx(tau["trained"]["tau"], rel=1e-9)
+    # the export's model card says what was measured (after training, on the target's device)
+    card = (run / "export" / "README.md").read_text()
+    assert f"{tau['trained']['tau']:.2f} on 12 prompts" in card and f"{s['steps']:,}" in card
 
 
 def test_the_drafter_trained_on_the_targets_own_answers(demo):

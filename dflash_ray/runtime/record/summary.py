@@ -92,3 +92,11 @@ def measured_rates(targets: dict, metrics: list, drafter_workers: int) -> dict:
     return {"target_tokens_per_second_per_actor": tokens / busy if busy > 0 else None,
             "drafter_tokens_per_second_per_worker": float(np.median(per_worker)) if per_worker else None,
             "trainer_wait_fraction": float(sum(waits) / sum(steps)) if sum(steps) > 0 else None}
+
+
+def model_card_facts(run_spec, summary: dict | None) -> dict:
+    """The run's facts for the export's model card (model/export.py CARD_FIELDS), from its summary.json
+    (None: what the spec alone says, e.g. `dflash-ray export` of a run that never finished)."""
+    s = summary or {}
+    return {"target": run_spec.target_path, "data": run_spec.shards or None, "steps": s.get("steps"),
+            "tokens": s.get("tokens"), "epochs": run_spec.train.epochs, "heldout_tau": s.get("heldout_tau")}

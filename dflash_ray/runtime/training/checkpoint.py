@@ -447,7 +447,7 @@ class CheckpointManager:
         record.checkpoint_done(step, self.t_last - t0, upload, cost)
 
 
-def export_latest(run_spec, dtype: str = "target") -> tuple[str, str] | None:
+def export_latest(run_spec, dtype: str = "target", card: dict | None = None) -> tuple[str, str] | None:
     """Write the drafter of the run's latest checkpoint (local or remote storage) to <run.dir>/export, as
     a Hugging Face directory the reference `dflash` package loads, in the target's dtype unless `dtype`
     names one (serving engines load the drafter beside the target, in its dtype; bf16 is also half the
@@ -465,4 +465,4 @@ def export_latest(run_spec, dtype: str = "target") -> tuple[str, str] | None:
         drafter = build_run_drafter(run_spec, torch.device("cpu"))
         drafter.load_state_dict(load_weights(d), strict=True)
     out_dtype = target_dtype(run_spec.target_path) if dtype == "target" else getattr(torch, dtype)
-    return checkpoint, export_drafter(drafter, str(RunLayout(run_spec.run_dir).export), dtype=out_dtype)
+    return checkpoint, export_drafter(drafter, str(RunLayout(run_spec.run_dir).export), dtype=out_dtype, card=card)
