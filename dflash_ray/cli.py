@@ -353,7 +353,7 @@ def prepare_command(cfg, args) -> int:
     from dflash_ray.config import require
     from omegaconf import OmegaConf
 
-    from dflash_ray.data.prepare import options_from_config, prepare
+    from dflash_ray.data.prepare import HELDOUT, options_from_config, prepare
     from dflash_ray.data.report import format_drops
 
     where = (require(cfg, "data.input"), require(cfg, "data.tokenizer"), require(cfg, "data.output"))
@@ -368,6 +368,7 @@ def prepare_command(cfg, args) -> int:
     else:
         summary = prepare(*where, progress=not args.json, **options)
     out = summary.as_dict()
+    out["heldout"] = len(out["heldout"])   # the prompts are in <output>/heldout.jsonl: their count here
     if args.json:
         print(json.dumps(out, indent=2))
     else:
@@ -378,6 +379,9 @@ def prepare_command(cfg, args) -> int:
         print(f"one row per assistant turn (the template rewrites history): {out['per_turn_conversations']} "
               f"conversations; assistant turns left out (mask not trustworthy): {untrusted}")
         print(f"dropped: {dropped}; {summary.bad_rows.summary_line()}")
+        if out["heldout"]:
+            print(f"held out (data.heldout_fraction={cfg.data.heldout_fraction}, never trained): {out['heldout']} "
+                  f"conversations' prompts -> {Path(out['output']) / HELDOUT} (the main job's held-out tau)")
     return 0
 
 

@@ -74,7 +74,10 @@ class DataConfig:
     tokenizer: Optional[str] = None  # tokenizer directory; null: one trained on the synthetic corpus
     output: Optional[str] = "${run.dir}/shards"   # where `prepare` writes parquet shards
     shards: Optional[str] = "${data.output}"      # where `plan` and training read them
-    prompts: Optional[str] = None    # prompts .jsonl for `eval`
+    prompts: Optional[str] = None    # prompts .jsonl for `eval` and the main job's held-out tau (null: <shards>/heldout.jsonl if any)
+    # share of the conversations (by id) `prepare` keeps out of the shards; their prompts go to <output>/heldout.jsonl
+    # and the main job reports tau on them (0: none held out)
+    heldout_fraction: float = 0.01
     shard_size: int = 10000          # samples per parquet shard
     vocab_size: Optional[int] = None  # when known, token ids >= vocab_size are rejected
     # upper bounds (inclusive) of the length buckets (the seed run's six)
@@ -199,7 +202,7 @@ MINIMUM = {"model.block_size": 2, "model.num_draft_layers": 1, "model.num_anchor
            "cluster.target_workers": 1, "cluster.drafter_workers": 1, "cluster.target_gpus": 0.01,
            "cluster.drafter_gpus": 0.01, "cluster.max_batches_in_flight": 1, "cluster.nodes": 1,
            "cluster.stream_block_mb": 0, "cluster.device_memory_gb": 0.1,
-           "train.epochs": 1, "train.lr": 0.0, "train.warmup_ratio": 0.0, "train.grad_accum": 1,
+           "data.heldout_fraction": 0.0, "train.epochs": 1, "train.lr": 0.0, "train.warmup_ratio": 0.0, "train.grad_accum": 1,
            "train.checkpoint_every": 0, "train.checkpoint_every_minutes": 0.0, "train.num_to_keep": 1,
            "train.max_failures": 0, "train.stream_segment_rows": 0, "train.max_nonfinite_steps": 0,
            "train.heldout_every": 0,
@@ -348,6 +351,9 @@ def _check_rules(cfg: DictConfig) -> None:
 
     PlanSpec.from_config(cfg)  # validated: bucket boundaries ascending, the batch budget holds the longest bucket
     c, t = cfg.cluster, cfg.train
+    if cfg.data.heldout_fraction >= 1:
+        raise UserError(f"config key 'data.heldout_fraction': {cfg.data.heldout_fraction} would hold out every "
+                        "conversation (a share below 1; 0: none)")
     if not t.checkpoint_every and not t.checkpoint_every_minutes:
         raise UserError("config key 'train.checkpoint_every_minutes': checkpoints are off (it and "
                         "train.checkpoint_every are both 0/null): set one of them (a restart would retrain "

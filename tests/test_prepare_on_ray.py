@@ -30,16 +30,20 @@ def test_ray_prepare_equals_the_local_one(ray_session, tmp_path, capsys):
                 for line in lines[70:]]
     pq.write_table(pa.Table.from_pylist(sharegpt), data / "b.parquet", row_group_size=8)
     common = [f"data.input={data}", f"data.tokenizer={tokdir}", "model.block_size=4", "data.on_bad_row=skip",
-              "data.shard_size=16", "--json"]
+              "data.shard_size=16", "data.heldout_fraction=0.1", "--json"]
     assert run_command("prepare", common + [f"data.output={tmp_path / 'local'}"]) == 0
     local = json.loads(capsys.readouterr().out)
     assert run_command("prepare", common + [f"data.output={tmp_path / 'ray'}", "data.prepare_engine=ray",
                                             "data.prepare_rows_per_task=16"]) == 0
     on_ray = json.loads(capsys.readouterr().out)
-    for key in ("conversations", "samples", "tokens", "supervised_tokens", "dropped", "untrusted_turns", "bad_rows"):
+    for key in ("conversations", "samples", "tokens", "supervised_tokens", "dropped", "untrusted_turns", "bad_rows",
+                "heldout"):
         assert on_ray[key] == local[key], key
     assert local["bad_rows"]["counts"] == {"malformed_json": 1} and local["samples"] > 100
     assert _rows(tmp_path / "ray") == _rows(tmp_path / "local")
+    # the same held-out slice (by conversation id) on both engines, never in the shards
+    assert local["heldout"] > 0
+    assert (tmp_path / "ray" / "heldout.jsonl").read_bytes() == (tmp_path / "local" / "heldout.jsonl").read_bytes()
     assert all(p.rsplit("/", 1)[-1].startswith("part-") for p in list_shards(tmp_path / "ray"))
 
 

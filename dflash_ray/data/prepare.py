@@ -13,6 +13,8 @@ across reruns, unique, and id // 1024 names the input row.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +41,7 @@ class PrepareSummary:
     supervised_tokens: int = 0
     shards: int = 0
     per_turn_conversations: int = 0       # the template rewrote history: one row per assistant turn
+    heldout: list = field(default_factory=list)   # held-out conversations' prompt rows (data.heldout_fraction)
     dropped: Counter = field(default_factory=Counter)
     untrusted_turns: Counter = field(default_factory=Counter)  # assistant turns left out, by reason
     bad_rows: BadRows = field(default_factory=BadRows)
@@ -48,6 +51,7 @@ class PrepareSummary:
         """Add another part's counts (a chunk of the Ray Data prepare), in input order."""
         for name in ("conversations", "samples", "tokens", "supervised_tokens", "per_turn_conversations"):
             setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.heldout.extend(other.heldout)
         self.dropped.update(other.dropped)
         self.untrusted_turns.update(other.untrusted_turns)
         self.bad_rows.merge(other.bad_rows)
@@ -57,14 +61,16 @@ class PrepareSummary:
         """as_dict()'s inverse (the Ray Data prepare carries each chunk's counts as this JSON)."""
         return cls(conversations=d["conversations"], samples=d["samples"], tokens=d["tokens"],
                    supervised_tokens=d["supervised_tokens"], shards=d["shards"],
-                   per_turn_conversations=d["per_turn_conversations"], dropped=Counter(d["dropped"]),
+                   per_turn_conversations=d["per_turn_conversations"], heldout=list(d.get("heldout", [])),
+                   dropped=Counter(d["dropped"]),
                    untrusted_turns=Counter(d["untrusted_turns"]), bad_rows=BadRows.from_dict(d["bad_rows"]),
                    output=d["output"])
 
     def as_dict(self) -> dict:
         return {"conversations": self.conversations, "samples": self.samples, "tokens": self.tokens,
                 "supervised_tokens": self.supervised_tokens, "shards": self.shards,
-                "per_turn_conversations": self.per_turn_conversations, "dropped": dict(self.dropped),
+                "per_turn_conversations": self.per_turn_conversations, "heldout": list(self.heldout),
+                "dropped": dict(self.dropped),
                 "untrusted_turns": dict(self.untrusted_turns), "bad_rows": self.bad_rows.as_dict(),
                 "output": self.output}
 
@@ -96,7 +102,8 @@ def options_from_config(cfg) -> dict:
     """prepare()'s keyword arguments from the config (the command and the embedded default's data)."""
     d = cfg.data
     return dict(shard_size=d.shard_size, min_supervised=2 * cfg.model.block_size, vocab_size=d.vocab_size,
-                format=d.format, on_bad_row=d.on_bad_row, turns=d.turns, template_kwargs=template_kwargs(cfg))
+                format=d.format, on_bad_row=d.on_bad_row, turns=d.turns, template_kwargs=template_kwargs(cfg),
+                heldout_fraction=d.heldout_fraction)
 
 
 @dataclass(frozen=True)
@@ -109,6 +116,29 @@ class Options:
     on_bad_row: str = "fail"
     turns: str = "all"
     template_kwargs: dict | None = None
+    heldout_fraction: float = 0.0
+
+
+HELDOUT = "heldout.jsonl"   # beside the shards: the held-out conversations' prompts (read_prompts renders them)
+
+
+def is_heldout(conversation_id: int, fraction: float) -> bool:
+    """Whether a conversation (by its id: its running row index over the inputs) is in the held-out slice:
+    a hash of the id below `fraction`, so the slice is the same on every prepare of the same inputs, on
+    either engine, whatever the shard size, and no conversation is both trained and held out."""
+    if fraction <= 0:
+        return False
+    digest = hashlib.sha256(f"dflash-heldout:{conversation_id}".encode()).digest()
+    return int.from_bytes(digest[:8], "big") < fraction * 2**64
+
+
+def heldout_row(conv) -> dict | None:
+    """A held-out conversation's prompt: its turns up to its last user turn (and its tools), rendered at
+    evaluation time by data/prompts.py as prepare renders training rows; None without a user turn."""
+    users = [i for i, m in enumerate(conv.messages) if m["role"] == "user"]
+    if not users:
+        return None
+    return {"id": conv.id, "conversations": conv.messages[:users[-1] + 1], **({"tools": conv.tools} if conv.tools else {})}
 
 
 def rows_table(rows: dict) -> pa.Table:
@@ -130,6 +160,13 @@ def add_conversation(tok, conv, opts: Options, summary: PrepareSummary, rows: di
         summary.bad_rows.add(reason, conv.source, conv.row, detail)
 
     summary.conversations += 1
+    if is_heldout(conv.id, opts.heldout_fraction):   # never trained: its prompt is evaluated instead
+        row = heldout_row(conv)
+        if row is not None:
+            summary.heldout.append(row)
+        else:
+            summary.dropped["heldout_without_user_turn"] += 1
+        return
     if not any(m["role"] == "assistant" for m in conv.messages):
         summary.dropped["no_assistant_turn"] += 1
         return
@@ -220,4 +257,13 @@ def prepare(input_path, tokenizer_path: str, output: str, *, progress: bool = Tr
         flush(dest)
         if summary.samples == 0:
             raise no_samples(input_path, summary, opts.min_supervised)
+        write_heldout(dest, summary)
     return summary
+
+
+def write_heldout(dest, summary: PrepareSummary) -> None:
+    """<output>/heldout.jsonl: the held-out conversations' prompts, in id order (none: no file)."""
+    if summary.heldout:
+        with open(Path(dest) / HELDOUT, "w") as f:
+            for row in sorted(summary.heldout, key=lambda r: r["id"]):
+                f.write(json.dumps(row) + "\n")

@@ -44,6 +44,8 @@ class RunSpec:
     coordinator: str                # name of the RunCoordinator actor
     heldout: str | None = None      # held-out prompts (.jsonl) for tau after training; None: not measured
     heldout_max_new_tokens: int = 64
+    heldout_max_prompts: int = 1 << 30   # eval.max_prompts: the held-out prompts measured at most
+    chat_template_kwargs: dict | None = None   # data.chat_template_kwargs: conversation prompts rendered as served
     namespace: str = "dflash"
     init_from: str | None = None    # an exported drafter the run starts from at step 0 (checked against the run)
     target_hidden_size: int = 0     # the target's width: sizes the stream's blocks (0: unknown, one batch a block)
@@ -128,7 +130,7 @@ def resolve_spec(cfg, log=print, *, inputs: bool = True, record: bool = True) ->
         if inputs:
             raise ValueError("model.target_path is null: synthesise the target first (demo.world.make_missing_inputs)")
         target_path = layout.target    # the synthesised target, made by the run's first start
-    heldout = str(Path(d.prompts).resolve()) if d.prompts and inputs else None
+    heldout = _heldout_prompts(d) if inputs else None
     target_path = Path(target_path).resolve() if "://" not in str(target_path) else target_path
     if not (Path(target_path) / "config.json").exists():
         raise UserError(f"{target_path}: not a Hugging Face model directory (no config.json) "
@@ -185,11 +187,25 @@ def resolve_spec(cfg, log=print, *, inputs: bool = True, record: bool = True) ->
         vocab_size=target_vocab, pad_token_id=int(tok.pad_token_id if tok.pad_token_id is not None else 0),
         plan=PlanSpec.from_config(cfg), drafter=drafter, train=train, cluster=OmegaConf.to_object(cfg.cluster),
         coordinator=coordinator_name(cfg.run.name), heldout=heldout,
-        heldout_max_new_tokens=cfg.eval.max_new_tokens, init_from=init_from,
+        heldout_max_new_tokens=cfg.eval.max_new_tokens, heldout_max_prompts=cfg.eval.max_prompts,
+        chat_template_kwargs=OmegaConf.to_container(d.chat_template_kwargs) if d.chat_template_kwargs else None,
+        init_from=init_from,
         target_hidden_size=int(getattr(tcfg, "hidden_size", 0) or 0))
     if record:
         check_run_inputs(spec, tcfg, scan, log=log)
     return spec
+
+
+def _heldout_prompts(d) -> str | None:
+    """The held-out prompts: data.prompts, else the held-out slice `prepare` wrote beside the shards
+    (data.heldout_fraction: <shards>/heldout.jsonl), else none (no tau is measured)."""
+    from dflash_ray.data.prepare import HELDOUT
+
+    if d.prompts:
+        return str(d.prompts) if "://" in str(d.prompts) else str(Path(d.prompts).resolve())
+    if d.shards and "://" not in str(d.shards) and (Path(d.shards) / HELDOUT).is_file():
+        return str((Path(d.shards) / HELDOUT).resolve())
+    return None
 
 
 def _opt_int(value):

@@ -14,7 +14,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from dflash_ray.data.formats import Chunk, plan_chunks
-from dflash_ray.data.prepare import Options, PrepareSummary, check_inputs, no_samples, prepare_chunk, rows_table
+from dflash_ray.data.prepare import (Options, PrepareSummary, check_inputs, no_samples, prepare_chunk, rows_table,
+                                     write_heldout)
 from dflash_ray.data.shards import PREPARED_SCHEMA
 from dflash_ray.tokenizer import load_tokenizer
 
@@ -101,4 +102,5 @@ def prepare_on_ray(input_path, tokenizer_path: str, output: str, *, rows_per_tas
         for leftover in written.iterdir():
             leftover.unlink()
         written.rmdir()
+        write_heldout(dest, summary)
     return summary

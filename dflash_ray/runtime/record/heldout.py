@@ -12,7 +12,8 @@ def heldout_prompts(run_spec) -> tuple[list, list | None]:
     from dflash_ray.data.prompts import find_tokenizer, read_prompts
 
     tok = find_tokenizer(run_spec.tokenizer, run_spec.target_path)
-    prompts = read_prompts(run_spec.heldout, tok, limit=1 << 30)
+    prompts = read_prompts(run_spec.heldout, tok, limit=run_spec.heldout_max_prompts,
+                           template_kwargs=run_spec.chat_template_kwargs)
     stop = [tok.eos_token_id] if tok is not None and tok.eos_token_id is not None else None
     return prompts, stop
 
