@@ -24,12 +24,15 @@ HELP = {
     "regenerate": (
         "the conversations with every assistant turn answered by the target (greedy; a Ray Data job)",
         "The same conversations with every assistant turn replaced by the target's greedy answer, turn by turn "
-        "on the regenerated history, rendered by the tokenizer's chat template: a Ray Data job over target "
-        "actors (one per target GPU; a custom resource on CPU machines). Resumable: ids already in the output "
-        "are skipped. Failures are counted by reason (malformed line or conversation, prompt over the target's "
-        "context, answers that hit the token limit).",
+        "on the regenerated history, rendered as prepare and serving render it (data.chat_template_kwargs, the "
+        "row's tools and system prompt): a Ray Data job over target actors (one per GPU the cluster has; a custom "
+        "resource on CPU machines). Resumable: the rows' own ids already in the output are skipped, a torn last "
+        "line is cut. A turn that hits regenerate.max_new_tokens is dropped with the rest of its conversation "
+        "(regenerate.on_max_tokens=keep keeps it); a conversation stops after the target's first tool call. "
+        "Every case is counted by reason (malformed line or conversation, prompt over the target's context, "
+        "capped answers, tool calls).",
         ("data.input", "data.tokenizer", "model.target_path", "regenerate.output", "regenerate.max_new_tokens",
-         "regenerate.batch_size", "data.chat_template_kwargs", "cluster.target_workers", "cluster.use_gpu")),
+         "regenerate.on_max_tokens", "regenerate.batch_size", "data.chat_template_kwargs", "cluster.use_gpu")),
     "prepare": (
         "conversations -> parquet shards of token ids and loss masks",
         "Conversations (ShareGPT, OpenAI messages with tools and reasoning, or this project's rows; jsonl, json, "
@@ -626,6 +629,7 @@ def eval_command(cfg, args) -> int:
     from dflash_ray.config import require
     from dflash_ray.data.prepare import template_kwargs
     from dflash_ray.data.prompts import find_tokenizer, read_prompts
+    from dflash_ray.model.generation import declared_end_token_ids
     from dflash_ray.model.evaluate import evaluate_acceptance
     from dflash_ray.sizing.memory import text_config
 
@@ -644,7 +648,7 @@ def eval_command(cfg, args) -> int:
     for i, p in enumerate(prompts):
         if not p or min(p) < 0 or max(p) >= vocab:
             raise UserError(f"{cfg.data.prompts}: prompt {i + 1}: needs 1+ token ids in [0, {vocab}), got {p[:8]}")
-    stop = [tok.eos_token_id] if tok is not None and tok.eos_token_id is not None else None
+    stop = declared_end_token_ids(tok, target_dir)   # every end token the target declares, as regenerate stops
     from dflash_ray.data.report import Tracked   # progress per prompt on stderr (a bar, or a line every few s)
 
     prompts = Tracked(prompts, "eval", "prompts", enabled=not args.json)

@@ -58,8 +58,8 @@ def _schema_comment(field: str) -> str:
     ("plan", ["data.shards", "model.target_path", "model.anchors_per_batch", "cluster.device_memory_gb"],
      "--check validates every token"),
     ("eval", ["drafter", "target", "data.prompts", "eval.max_new_tokens"], "exit 1 if it does not, in fp32"),
-    ("regenerate", ["data.input", "model.target_path", "regenerate.output", "regenerate.max_new_tokens"],
-     "Failures are counted by reason"),
+    ("regenerate", ["data.input", "model.target_path", "regenerate.output", "regenerate.max_new_tokens", "regenerate.on_max_tokens"],
+     "Every case is counted by reason"),
     ("train", ["model.target_path", "train.epochs", "train.storage_path", "run.name"], "With no arguments"),
 ])
 def test_command_help_shows_the_whole_description_and_the_main_keys(cmd, keys, sentence, capsys):

@@ -53,7 +53,7 @@ def test_the_drafter_trained_on_the_targets_own_answers(demo):
     assert len(regen) == len(corpus)
     changed = 0
     for i, row in enumerate(corpus):  # regenerate's ids: each conversation's row in its input
-        new = regen[str(i)]["conversations"]
+        new = regen[row["id"]]["conversations"]   # the input's own id passes through regeneration
         assert [m["role"] for m in new] == [m["role"] for m in row["conversations"]]
         assert [m["content"] for m in new if m["role"] == "user"] == \
                [m["content"] for m in row["conversations"] if m["role"] == "user"]

@@ -102,7 +102,7 @@ def test_readme_steps_1_and_2_supervise_every_regenerated_turn_as_generated(mode
     # the README renders both steps with the same template arguments, thinking off
     template = [a for a in regenerate_args if a.startswith("data.chat_template_kwargs=")]
     assert template == [a for a in prepare_args if a.startswith("data.chat_template_kwargs=")] == \
-        ["data.chat_template_kwargs={enable_thinking: false}"]
+        ["data.chat_template_kwargs={enable_thinking:false}"]
     template = THINKING_ON if thinking else template[0]
     kwargs = {} if thinking else {"enable_thinking": False}
 

@@ -21,7 +21,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from dflash_ray.config import require
-from dflash_ray.data.prepare import options_from_config, prepare
+from dflash_ray.data.prepare import options_from_config, prepare, template_kwargs
 from dflash_ray.data.shards import list_shards
 from dflash_ray.data.synthetic import train_tokenizer, write_corpus
 from dflash_ray.runtime.record.layout import RunLayout
@@ -182,6 +182,7 @@ def _regenerate_demo(cfg, layout: RunLayout, target_path, log) -> str:
         r = cfg.regenerate
         regenerate(str(cfg.data.input), str(out), target_dir=str(target_path), tokenizer_dir=str(cfg.data.tokenizer),
                    cluster=OmegaConf.to_object(cfg.cluster), max_new_tokens=r.max_new_tokens,
-                   batch_size=r.batch_size, log=log)
+                   batch_size=r.batch_size, on_max_tokens=r.on_max_tokens, template_kwargs=template_kwargs(cfg),
+                   log=log)
         done.touch()
     return str(out)

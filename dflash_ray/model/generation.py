@@ -95,6 +95,22 @@ def end_token_ids(tok, model) -> list[int]:
     return list(dict.fromkeys(int(i) for i in ids if i is not None))
 
 
+def declared_end_token_ids(tok, target_dir: str) -> list[int] | None:
+    """end_token_ids for a target directory without loading its weights (its generation_config.json, when it
+    has one): what eval and the held-out tau stop decoding at, as regeneration does. None without a tokenizer."""
+    from types import SimpleNamespace
+
+    from transformers import GenerationConfig
+
+    if tok is None:
+        return None
+    try:
+        config = GenerationConfig.from_pretrained(str(target_dir))
+    except (OSError, ValueError):   # no generation_config.json: the tokenizer's eos only
+        config = None
+    return end_token_ids(tok, SimpleNamespace(generation_config=config)) or None
+
+
 class Regenerator:
     """Regenerates conversations with a target (greedy, batched). Reused across batches of a job."""
 

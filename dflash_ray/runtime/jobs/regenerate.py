@@ -158,12 +158,10 @@ def actor_pool_size(cluster, cluster_gpus: float | None = None) -> int:
 
 
 def regenerate(input_path: str, output_path: str, *, target_dir: str, tokenizer_dir: str, cluster,
-               max_new_tokens: int, batch_size: int, on_max_tokens: str = "keep",
+               max_new_tokens: int, batch_size: int, on_max_tokens: str,
                template_kwargs: dict | None = None, log=print) -> dict:
     """Run the job on the connected Ray cluster. Returns the counts by reason (and 'written', 'skipped:
-    already in the output', 'actors'). `on_max_tokens`: the command passes regenerate.on_max_tokens (default
-    drop); a caller that does not choose keeps capped turns, as regeneration did before the choice existed
-    (the embedded demo's call)."""
+    already in the output', 'actors'). `on_max_tokens`: regenerate.on_max_tokens (drop | keep)."""
     import ray
     from ray.data import ActorPoolStrategy
 

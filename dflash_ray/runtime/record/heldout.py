@@ -10,12 +10,12 @@ def heldout_prompts(run_spec) -> tuple[list, list | None]:
     """The run's held-out prompts as token ids, and the token ids decoding stops at (read where the
     prompts file is: the driver's node)."""
     from dflash_ray.data.prompts import find_tokenizer, read_prompts
+    from dflash_ray.model.generation import declared_end_token_ids
 
     tok = find_tokenizer(run_spec.tokenizer, run_spec.target_path)
     prompts = read_prompts(run_spec.heldout, tok, limit=run_spec.heldout_max_prompts,
                            template_kwargs=run_spec.chat_template_kwargs)
-    stop = [tok.eos_token_id] if tok is not None and tok.eos_token_id is not None else None
-    return prompts, stop
+    return prompts, declared_end_token_ids(tok, run_spec.target_path)
 
 
 def heldout_tau(run_spec, drafter_dir: str, prompts: tuple | None = None) -> dict:
