@@ -1,10 +1,11 @@
-"""README's "A real run", steps 1 and 2 as the README writes them (read from its bash block), on a tiny
+"""README's "A real run", steps 1 to 3 as the README writes them (read from its bash block), on a tiny
 target served like Qwen3 (helpers_thinking: a thinking chat template, Qwen3's end tokens), with thinking
 off (the README's $TEMPLATE) and on: every assistant turn `regenerate` writes is supervised by `prepare`,
 and supervised as exactly what the target generates for that turn's prompt (found here by an independent
 greedy loop, `model.evaluate.greedy_generate`, on the prompt the test renders itself). Nothing regenerated
 is lost or left out as untrusted between the steps. A conversation with a tool call stops after the
-target's own first tool call, counted."""
+target's own first tool call, counted. Step 3's plan holds every prepared sample once. (Step 4, the
+training job, is the main job the runtime tests train; it is not run again on these shards here.)"""
 from __future__ import annotations
 
 import json
@@ -143,3 +144,11 @@ def test_readme_steps_1_and_2_supervise_every_regenerated_turn_as_generated(mode
         elif not thinking:
             assert not any("<think>" in w for w in want)
     assert sum(len(supervised_runs(tok, r)) for r in rows) == turns
+
+    # step 3, as the README writes it (on this machine's cluster): the plan holds every prepared sample once
+    if not thinking:
+        dump = tmp_path / "plan.parquet"
+        assert main(["plan", "--json", f"--dump={dump}"] + local(commands["plan"], tmp_path, model, template)) == 0
+        capsys.readouterr()
+        planned = [i for ids in pq.read_table(dump).column("sample_ids").to_pylist() for i in ids]
+        assert sorted(planned) == sorted(r["sample_id"] for r in rows)

@@ -98,5 +98,9 @@ def model_card_facts(run_spec, summary: dict | None) -> dict:
     """The run's facts for the export's model card (model/export.py CARD_FIELDS), from its summary.json
     (None: what the spec alone says, e.g. `dflash-ray export` of a run that never finished)."""
     s = summary or {}
+    tau = s.get("heldout_tau") or None   # the card says tau and how many prompts, not the histograms
+    if tau:
+        tau = {k: {f: tau[k][f] for f in ("tau", "prompts", "outputs_match_greedy")} for k in ("initial", "trained")
+               if tau.get(k)}
     return {"target": run_spec.target_path, "data": run_spec.shards or None, "steps": s.get("steps"),
-            "tokens": s.get("tokens"), "epochs": run_spec.train.epochs, "heldout_tau": s.get("heldout_tau")}
+            "tokens": s.get("tokens"), "epochs": run_spec.train.epochs, "heldout_tau": tau}
