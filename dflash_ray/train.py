@@ -72,7 +72,8 @@ def main_job(cfg, *, progress: bool = True, log=print, plan_log=print):
     return run_spec, summary
 
 
-if __name__ == "__main__":   # `python -m dflash_ray.train [overrides]`: the CLI's train command
-    from dflash_ray.cli import run_command
+if __name__ == "__main__":   # `python -m dflash_ray.train [overrides]` is `python -m dflash_ray train [overrides]`:
+    import runpy              # the package's entry runs the CLI (this module never imports the CLI back)
 
-    sys.exit(run_command("train", sys.argv[1:]))
+    sys.argv[1:1] = ["train"]
+    runpy.run_module("dflash_ray", run_name="__main__", alter_sys=True)
