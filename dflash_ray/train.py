@@ -63,7 +63,7 @@ def main_job(cfg, *, progress: bool = True, log=print, plan_log=print):
         if export_latest(run_spec) is None:
             summary["export"] = None
         # held-out tau of the fresh and the trained drafter, on a target GPU now that training let it go
-        summary["heldout_tau"] = (final_tau(run_spec, summary["export"])
+        summary["heldout_tau"] = (final_tau(run_spec, summary["export"], log=log)
                                   if run_spec.heldout and summary["export"] else None)
     if summary["export"]:   # the export's model card: the target, data, steps and the held-out tau just measured
         write_model_card(summary["export"], model_card_facts(run_spec, summary))

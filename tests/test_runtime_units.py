@@ -310,17 +310,24 @@ def test_the_record_writes_ledger_metrics_and_tensorboard(ray_session, tmp_path)
     from dflash_ray.runtime.record.record import RunRecord, last_metrics
 
     c = RunRecord(str(tmp_path), "tb", 3, trackers=["tensorboard"])
+    c.new_stream(1, 10)
     c.begin_attempt(0, 2, attempt=1, restarted=False)
-    for step in (1, 2):
-        c.commit_step(c.gen, {"epoch": 0, "step": step, "positions": [2 * step - 2, 2 * step - 1], "buckets": [0, 2],
-                       "tokens": [10, 20]},
-                      {"step": step, "epoch": 0, "loss": 3.0 / step, "tokens": 30, "lr": 1e-3, "grad_norm": 1.0})
-    c.begin_attempt(1, 2, attempt=2, restarted=True)       # a restart from the step-1 checkpoint
-    c.commit_step(c.gen, {"epoch": 0, "step": 2, "positions": [2, 3], "buckets": [0, 2], "tokens": [10, 20]},
-                  {"step": 2, "epoch": 0, "loss": 1.4, "tokens": 30})
-    # a late commit from the replaced group's stream is dropped, not appended to the new timeline
-    c.commit_step(c.gen - 1, {"epoch": 0, "step": 3, "positions": [4, 5], "buckets": [0, 2], "tokens": [10, 20]},
-                  {"step": 3, "epoch": 0, "loss": 9.9, "tokens": 30})
+
+    def commit(gen, step, loss):
+        c.commit_step(gen, {"epoch": 0, "step": step, "positions": [2 * step - 2, 2 * step - 1], "buckets": [0, 2],
+                            "tokens": [10, 20]},
+                      {"step": step, "epoch": 0, "loss": loss, "tokens": 30, "lr": 1e-3, "grad_norm": 1.0})
+
+    commit(1, 1, 3.0)
+    commit(1, 2, 1.5)
+    # a restart from the step-1 checkpoint: the old stream ends before the coordinator hands out the new
+    # generation, so the replaced group's late commits are dropped from that moment on, not appended
+    c.end_stream()
+    commit(1, 3, 9.9)
+    c.new_stream(2, 10)
+    c.begin_attempt(1, 2, attempt=2, restarted=True)
+    commit(2, 2, 1.4)
+    commit(1, 3, 9.8)
     c.close()
     assert [r["step"] for r in read_jsonl(tmp_path / "ledger.jsonl")] == [1, 2]
     assert [m["loss"] for m in last_metrics(tmp_path)] == [3.0, 1.4]     # the replayed step's last record
@@ -414,3 +421,16 @@ def test_progress_lines_end_with_the_runs_last_step(ray_session, capsys):
     lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("step ")]
     assert lines[0].startswith("step 9/10") and lines[-1].startswith("step 10/10"), lines
     ray.kill(coord)
+
+
+def test_the_final_tau_waits_for_the_target_resources_a_bounded_time(ray_session):
+    """final_tau runs on the target actors' resources once they are free; a resource that never frees (or
+    that the cluster lacks) ends the wait after its bound, and the tau is measured in the driver instead."""
+    import time
+
+    from dflash_ray.runtime.record.heldout import resource_free_within
+
+    assert resource_free_within("CPU", 0.5, wait_s=5)
+    t0 = time.monotonic()
+    assert not resource_free_within("no_such_resource", 1, wait_s=1.5, poll_s=0.2)
+    assert 1.5 <= time.monotonic() - t0 < 10

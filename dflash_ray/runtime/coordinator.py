@@ -32,8 +32,7 @@ class RunCoordinator:
         self.attempts = 0             # train-function starts, over the whole run (checkpoint records name them)
         self.segments = 0             # fits of the run (stream segments)
         self.segment_attempts = 0     # starts within the current segment (restarts = segment_attempts - 1)
-        self.started = time.time()
-        self.timeline: dict[str, float] = {}
+        self.first_admit: dict[str, float] = {}   # time.time() of each stream's first admitted block
         self.tags = {"run": run_name}
         self.in_flight = Gauge("dflash_batches_in_flight", description="batches admitted to the pipeline and "
                                "not yet trained", tag_keys=("run",))
@@ -73,7 +72,7 @@ class RunCoordinator:
             await self.cond.wait_for(lambda: gen != self.gen or index < self.consumed + self.window)
             if gen != self.gen:
                 return False  # a stream that has been replaced: let it drain
-            self.timeline.setdefault(f"first_admit_{gen}", round(time.time() - self.started, 3))
+            self.first_admit.setdefault(f"first_admit_{gen}", time.time())
             self.admitted = max(self.admitted, index)
             in_flight = self.admitted + 1 - self.consumed
             self.max_in_flight = max(self.max_in_flight, in_flight)
@@ -101,4 +100,4 @@ class RunCoordinator:
 
     def report(self) -> dict:
         return {"attempts": self.attempts, "segments": self.segments, "max_batches_in_flight": self.max_in_flight,
-                "window": self.window, "rows_per_block": self.rows_per_block, "timeline": dict(self.timeline)}
+                "window": self.window, "rows_per_block": self.rows_per_block, "first_admit": dict(self.first_admit)}

@@ -66,7 +66,8 @@ class RunSpec:
 
 class RunPlans:
     """The run's epoch plans (data/plan.py: a pure function of the shards' lengths, the config, the seed and
-    the epoch), each built once in the driver from lengths read once, and handed on (pickled with what is
+    the epoch), each built once in the driver (the lengths read once here; resolve_spec's scan of the shards
+    reads them too, for the run's record), and handed on (pickled with what is
     built) to the stream's factory in Ray Train's controller and to the summary, so nothing re-reads the
     shards to plan again. `plans(epoch)` is the epoch's plan, as `dflash-ray plan` builds it."""
 
@@ -203,9 +204,15 @@ def _heldout_prompts(d) -> str | None:
 
     if d.prompts:
         return str(d.prompts) if "://" in str(d.prompts) else str(Path(d.prompts).resolve())
-    if d.shards and "://" not in str(d.shards) and (Path(d.shards) / HELDOUT).is_file():
-        return str((Path(d.shards) / HELDOUT).resolve())
-    return None
+    if not d.shards:
+        return None
+    import pyarrow.fs as pafs
+
+    from dflash_ray.data.shards import filesystem_of
+
+    uri = str(d.shards) if "://" in str(d.shards) else str(Path(d.shards).resolve())
+    fs, where = filesystem_of(f"{uri.rstrip('/')}/{HELDOUT}")
+    return f"{uri.rstrip('/')}/{HELDOUT}" if fs.get_file_info(where).type == pafs.FileType.File else None
 
 
 def _opt_int(value):

@@ -66,17 +66,42 @@ def initial_and_trained_tau(run_spec, export_files: dict, prompts: tuple) -> dic
                 "prompts_file": run_spec.heldout}
 
 
-def final_tau(run_spec, export_dir: str) -> dict:
+# how long the final tau waits for the target actors' resources to be free after training (then it runs here)
+RESOURCE_WAIT_S = 120.0
+
+
+def final_tau(run_spec, export_dir: str, log=print, wait_s: float = RESOURCE_WAIT_S) -> dict:
     """initial_and_trained_tau as a Ray task with a target actor's resources (a target GPU share; the target
     slot on CPU machines), after training, when the target actors have let them go: the target's forwards
     run on a GPU, not on the driver. The prompts and the export travel with the task (the run directory is
-    on the driver's node only); the target is read where the target actors read it."""
+    on the driver's node only); the target is read where the target actors read it. Nothing waits without a
+    bound: when those resources are not free within `wait_s` (an actor pool not torn down yet, target nodes
+    scaled away), the tau is measured in this process, as before the task existed, and a line says so."""
     from pathlib import Path
 
     import ray
 
     c = run_spec.cluster
     res = dict(num_gpus=c.target_gpus, num_cpus=1) if c.use_gpu else dict(num_cpus=0.5, resources={c.target_resource: 1})
+    name, amount = ("GPU", c.target_gpus) if c.use_gpu else (c.target_resource, 1)
     files = {p.name: p.read_bytes() for p in Path(export_dir).iterdir() if p.is_file()}
+    prompts = heldout_prompts(run_spec)
+    if not resource_free_within(name, amount, wait_s):
+        log(f"held-out tau: no free {name} for a target-side task after {wait_s:.0f} s; measured in the driver")
+        return initial_and_trained_tau(run_spec, files, prompts)
     task = ray.remote(initial_and_trained_tau).options(**res)
-    return ray.get(task.remote(run_spec, ray.put(files), heldout_prompts(run_spec)))
+    return ray.get(task.remote(run_spec, ray.put(files), prompts))
+
+
+def resource_free_within(name: str, amount: float, wait_s: float, poll_s: float = 1.0) -> bool:
+    """Whether the connected cluster has `amount` of resource `name` free within `wait_s` seconds."""
+    import time
+
+    import ray
+
+    deadline = time.monotonic() + wait_s
+    while ray.available_resources().get(name, 0) < amount:
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(poll_s)
+    return True

@@ -12,7 +12,7 @@ It owns, and nothing else writes:
 * the fan-out of each step to the `dflash_*` Ray metrics (gauges.py) and the experiment trackers.
 
 `report()` is what the driver's summary is built from; `progress()` is what its progress line shows.
-The flight window and the attempt/window bookkeeping are the RunCoordinator's (runtime/coordinator.py).
+The flight window and the attempt/segment bookkeeping are the RunCoordinator's (runtime/coordinator.py).
 """
 from __future__ import annotations
 
@@ -43,7 +43,7 @@ class RunRecord:
         self.cond = asyncio.Condition()
         self.gen = 0                  # the current stream's generation: commits of a replaced one are dropped
         self.started = time.time()
-        self.timeline: dict[str, float] = {}   # first time each milestone happened (seconds since start)
+        self.timeline: dict[str, float] = {}   # first time each milestone happened (seconds since `started`)
         self.attempt = 0
         self.trainer_restarts = 0
         self.rolled_back_steps = 0
@@ -81,6 +81,11 @@ class RunRecord:
     def mark(self, what: str, at: float | None = None) -> None:
         """The first time `what` happened (`at`: time.time() when it did; default now)."""
         self.timeline.setdefault(what, round((time.time() if at is None else at) - self.started, 3))
+
+    def end_stream(self) -> None:
+        """A new stream is about to replace the current one (its worker group is gone, or its segment ended):
+        commits of the old stream that still arrive are dropped, with the old timeline rolled back."""
+        self.gen = -1
 
     def new_stream(self, gen: int, total_steps: int, rank_nodes: list | None = None,
                    placement: list | None = None) -> None:
@@ -331,7 +336,7 @@ class RunRecord:
                 "removed_checkpoints": self.removed_checkpoints, "targets": targets,
                 "checkpoints": self.checkpoints, "checkpoint_cost": self.checkpoint_cost(), "last": self.last,
                 "placement": self.placement, "feature_traffic": dict(self.features), "timeline": self.timeline,
-                "evals": self.evals, "stopped": self.stopped}
+                "evals": self.evals, "stopped": self.stopped, "started": self.started}
 
     def close(self) -> None:
         if self.trackers is not None:

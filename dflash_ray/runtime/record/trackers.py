@@ -1,6 +1,6 @@
 """Experiment trackers: TensorBoard, MLflow, Weights & Biases (`train.trackers=[...]`).
 
-One place logs: the run's coordinator (the driver's node), where metrics.jsonl is written. Each
+One place logs: the run record (its actor on the driver's node), where metrics.jsonl is written. Each
 committed step's scalars go to every chosen tracker, the run's resolved config as parameters, held-out
 tau as it is measured; at the end the driver adds the export and the best drafter as artifacts (where the
 tracker has them) and the run's final status.
@@ -67,7 +67,7 @@ def check_installed(names) -> None:
 
 
 def options(train, run_dir) -> dict:
-    """Where each tracker writes, from the train config (plain values: the coordinator gets them)."""
+    """Where each tracker writes, from the train config (plain values: the run record gets them)."""
     return {"project": str(getattr(train, "tracker_project", None) or "dflash-ray"),
             "mlflow_tracking_uri": mlflow_uri(getattr(train, "mlflow_tracking_uri", None), run_dir),
             "wandb_mode": getattr(train, "wandb_mode", None)}
@@ -335,7 +335,7 @@ class WandB:
         self.run.finish(exit_code=1 if failed else 0)
         self.run = None
 
-    def close(self) -> None:  # the coordinator's end: its process is killed right after, so wait for the
+    def close(self) -> None:  # the run record's end: its process is killed right after, so wait for the
         # W&B service to write everything (finish() can return with the last rows still in flight)
         if self.run is not None:
             import wandb
@@ -375,7 +375,7 @@ def _wandb_logged_in() -> bool:
 
 # ----------------------------------------------------------------------------- the set a run uses
 class Trackers:
-    """The chosen trackers of one run, in one process (the coordinator, or the driver at the end).
+    """The chosen trackers of one run, in one process (the run record, or the driver at the end).
     A tracker that fails while logging is reported (`on_error`) and dropped: trackers never stop a run."""
 
     def __init__(self, run_dir: str, run_name: str, names, opts: dict, on_error=None):
@@ -460,7 +460,7 @@ class Trackers:
 
 def end_run(run_spec, summary: dict | None, *, failed: bool = False, log=print) -> None:
     """Driver side, after the export: the export and best drafter as artifacts, the held-out tau of the
-    summary, the final status. Continues the runs the coordinator opened (trackers.json); none when no
+    summary, the final status. Continues the runs the run record opened (trackers.json); none when no
     tracker is chosen."""
     try:
         _end_run(run_spec, summary, failed, log)
@@ -474,7 +474,7 @@ def _end_run(run_spec, summary, failed, log) -> None:
         return
     run_dir = Path(run_spec.run_dir)
     state = Trackers(str(run_dir), run_spec.name, names, {}).state()
-    names = [n for n in names if n in state]   # only runs the coordinator opened
+    names = [n for n in names if n in state]   # only runs the run record opened
     if not names:
         return
 

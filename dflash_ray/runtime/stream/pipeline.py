@@ -15,7 +15,7 @@ run's batches (~0.7 GB of features at Qwen3-8B's shape) stay one a block, as a b
 memory in flight.
 
 `DatasetFactory.splits` builds the streams each time the worker group (re)starts (Ray Train calls it
-through data_config.NodeLocalDataConfig), so a restarted group gets fresh streams that start at the
+through stream/node_local.py NodeLocalDataConfig), so a restarted group gets fresh streams that start at the
 checkpoint's cursor: one per node that hosts trainer workers, with target actors on that node. The
 tokens live in the token store (token_store.py): blocks Ray Data read from the shards, spread over the
 object stores; the driver puts only their index.
@@ -261,9 +261,10 @@ class DatasetFactory:
         placement = [{"node": node, "ranks": list(ranks), "target_actors": k} for (node, ranks), k in zip(groups, shares)]
         per_block = rows_per_block(feed.table.column("lengths"), stream_bytes_per_token(s),
                                    block_budget_mb(s.cluster.stream_block_mb, resources))
+        record = ray.get_actor(record_actor_name(s.coordinator), namespace=s.namespace)
+        ray.get(record.end_stream.remote())   # a replaced group's late commits are dropped from here on
         gen = ray.get(coord.reset_feed.remote(feed.total_steps, feed.cursor.as_dict(), s.batches_per_step,
                                              feed.schedule_steps, rows_per_block=per_block, world=world_size))
-        record = ray.get_actor(record_actor_name(s.coordinator), namespace=s.namespace)
         ray.get(record.new_stream.remote(gen, feed.total_steps, list(worker_node_ids or []), placement))
         feed_ref = ray.put(feed.table)
         out = [None] * world_size

@@ -417,7 +417,9 @@ class CheckpointManager:
         with ckpt.as_directory() as d:
             cursor = load_checkpoint(Path(d), drafter=drafter, optimizer=optimizer, scheduler=scheduler,
                                      rank=self.rank)
-            return cursor, int(read_state(Path(d)).get("nonfinite_streak", 0))
+            streak = int(read_state(Path(d)).get("nonfinite_streak", 0))
+        self.t_last = time.perf_counter()   # the time-based interval counts from here, not from the restore
+        return cursor, streak
 
     def due(self, step: int, *, last_step: bool, end_of_epoch: bool) -> bool:
         since = time.perf_counter() - self.t_last

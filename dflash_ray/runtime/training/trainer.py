@@ -100,8 +100,8 @@ def fit(run_spec, plans, num_buckets: int, *, progress: bool = True) -> FitOutco
                 if result.error is not None or ray.get(record.report_stopped.remote()):
                     break
         report, flight = ray.get([record.report.remote(), coord.report.remote()])
-        report = {**report, **flight, "timeline": {**report["timeline"], **flight["timeline"]},
-                  "token_store": store_info.as_dict()}
+        admits = {k: round(t - report["started"], 3) for k, t in flight.pop("first_admit").items()}
+        report = {**report, **flight, "timeline": {**report["timeline"], **admits}, "token_store": store_info.as_dict()}
         ray.get(record.close.remote())
     finally:
         ray.kill(coord)  # the names are free for a rerun of this run from this process
