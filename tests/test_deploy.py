@@ -273,6 +273,7 @@ def test_dockerfile_base_image_matches_the_pins():
     assert re.search(r"^RUN .*\bbash deploy/install\.sh\b", dockerfile(), re.M)
 
 
+@pytest.mark.slow   # pip installs the project into a throwaway venv
 def test_install_script_runs_here(tmp_path):
     """deploy/install.sh as the Dockerfile RUNs it (in WORKDIR, on the files it COPYs, PROJECT_DIR=.), into
     a fresh environment that sees .venv's packages (no index: torch, Ray and dflash are already there), then

@@ -168,6 +168,7 @@ def _rows(out):
     return {r["id"]: r for r in map(json.loads, out.read_text().splitlines())}
 
 
+@pytest.mark.slow   # a Ray Data regeneration job
 def test_regenerate_job_on_ray_keeps_ids_and_fields_is_resumable_and_counts_bad_lines(world, ray_session, tmp_path):
     root, tokdir, target, tok = world
     src = write_jsonl(tmp_path / "in.jsonl", [{"id": "a", "source": "forum", "conversations": CONVS[0]},
@@ -187,6 +188,7 @@ def test_regenerate_job_on_ray_keeps_ids_and_fields_is_resumable_and_counts_bad_
     assert len(out.read_text().splitlines()) == 2
 
 
+@pytest.mark.slow   # a Ray Data regeneration job
 def test_a_resume_repairs_a_torn_last_line_and_keys_on_ids_after_rows_were_inserted(world, ray_session, tmp_path):
     """Rows without ids get their content's fingerprint: a row inserted before them does not shift them.
     A run killed mid-write leaves half a line: the rerun cuts it off and redoes that conversation."""
@@ -230,6 +232,7 @@ def test_regeneration_uses_every_gpu_of_the_cluster():
     assert actor_pool_size(cluster(use_gpu=False, target_workers=3)) == 3
 
 
+@pytest.mark.slow   # a Ray Data regeneration job
 def test_regenerate_command_names_what_is_missing_and_writes_the_output(world, ray_session, tmp_path, capsys):
     from dflash_ray.cli import main
 
