@@ -439,7 +439,9 @@ def target_shape_source(cfg) -> str:
             raise UserError(f"config key 'model.target_path': {m.target_path} is not a directory with a "
                             "config.json (plan reads the target's shape there)")
         return str(config_json)
-    built = Path(cfg.run.dir) / "target" / "config.json"
+    from dflash_ray.runtime.record.layout import RunLayout
+
+    built = RunLayout(cfg.run.dir).target / "config.json"
     if built.is_file():
         return f"{built} (the synthesised target)"
     return "model.target_config (the synthetic target a run builds from it)" if m.target_config else "unknown"

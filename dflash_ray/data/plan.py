@@ -101,6 +101,7 @@ def target_fields(cfg) -> dict | None:
     m = cfg.model
     if not OmegaConf.is_missing(m, "target_path"):
         built = m.target_path is None
+        # <run.dir>/target: record/layout.py's TARGET (the data layer does not import the runtime)
         config_json = (Path(cfg.run.dir) / "target" if built else Path(m.target_path)) / "config.json"
         if config_json.is_file():
             return json.loads(config_json.read_text())
