@@ -317,9 +317,10 @@ def _dispatch(cmd: str, args) -> int:
     if args.cfg == "job":
         print(to_yaml(cfg), end="")
         return 0
-    from dflash_ray.paths import resolve_hub_ids
+    from dflash_ray.paths import resolve_model_paths
 
-    resolve_hub_ids(cfg)  # hub ids -> their local snapshot (downloaded where the hub is reachable)
+    # hub ids -> their local snapshot (downloaded where the hub is reachable); GGUF files -> converted once
+    resolve_model_paths(cfg, log=lambda m: print(m, file=sys.stderr, flush=True))
     handler = {"regenerate": regenerate_command, "prepare": prepare_command, "plan": plan_command,
                "train": train_command, "compare-orders": compare_orders_command, "eval": eval_command,
                "export": export_command, "push": push_command, "plot": plot_command}[cmd]
@@ -346,7 +347,8 @@ def regenerate_command(cfg, args) -> int:
     with ray_cluster(cluster, log=log):
         counts = regenerate(source, output, target_dir=target, tokenizer_dir=tokenizer, cluster=cluster,
                             max_new_tokens=cfg.regenerate.max_new_tokens, on_max_tokens=cfg.regenerate.on_max_tokens,
-                            template_kwargs=template_kwargs(cfg), batch_size=cfg.regenerate.batch_size, log=log)
+                            template_kwargs=template_kwargs(cfg), batch_size=cfg.regenerate.batch_size,
+                            dtype=cfg.model.compute_dtype, log=log)
     if args.json:
         print(json.dumps(counts, indent=2))
     return 0

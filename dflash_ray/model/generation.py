@@ -115,14 +115,14 @@ class Regenerator:
     """Regenerates conversations with a target (greedy, batched). Reused across batches of a job."""
 
     def __init__(self, target_dir: str, rendering, *, max_new_tokens: int, batch_size: int = 32,
-                 on_max_tokens: str = "drop", device: str | torch.device = "cpu"):
+                 on_max_tokens: str = "drop", device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
         from dflash_ray.model.target import load_target
 
         if on_max_tokens not in ON_MAX_TOKENS:
             raise ValueError(f"on_max_tokens: {on_max_tokens!r} is not one of {', '.join(ON_MAX_TOKENS)}")
         self.rendering, self.tok = rendering, rendering.tok
         self.device = torch.device(device)
-        self.model = load_target(target_dir, device=self.device)
+        self.model = load_target(target_dir, device=self.device, dtype=dtype)
         self.max_new_tokens, self.batch_size = int(max_new_tokens), int(batch_size)
         self.on_max_tokens = on_max_tokens
         self.max_context = int(getattr(self.model.config, "max_position_embeddings", 1 << 30))

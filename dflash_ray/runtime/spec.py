@@ -49,6 +49,7 @@ class RunSpec:
     namespace: str = "dflash"
     init_from: str | None = None    # an exported drafter the run starts from at step 0 (checked against the run)
     target_hidden_size: int = 0     # the target's width: sizes the stream's blocks (0: unknown, one batch a block)
+    compute_dtype: str = "float32"  # the target's forwards and the drafter's autocast (model.compute_dtype resolved)
 
     @property
     def batches_per_step(self) -> int:
@@ -191,7 +192,8 @@ def resolve_spec(cfg, log=print, *, inputs: bool = True, record: bool = True) ->
         heldout_max_new_tokens=cfg.eval.max_new_tokens, heldout_max_prompts=cfg.eval.max_prompts,
         chat_template_kwargs=OmegaConf.to_container(d.chat_template_kwargs) if d.chat_template_kwargs else None,
         init_from=init_from,
-        target_hidden_size=int(getattr(tcfg, "hidden_size", 0) or 0))
+        target_hidden_size=int(getattr(tcfg, "hidden_size", 0) or 0),
+        compute_dtype=m.compute_dtype or ("bfloat16" if cfg.cluster.use_gpu else "float32"))
     if record:
         check_run_inputs(spec, tcfg, scan, log=log)
     return spec

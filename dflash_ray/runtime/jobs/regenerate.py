@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -37,7 +38,8 @@ class RegenerateActor:
     """Holds the target on its device; regenerates a batch of conversations."""
 
     def __init__(self, target_dir: str, tokenizer_dir: str, max_new_tokens: int, batch_size: int, use_gpu: bool,
-                 on_max_tokens: str = "drop", template_kwargs: dict | None = None, gpu_share: float = 1.0):
+                 on_max_tokens: str = "drop", template_kwargs: dict | None = None, gpu_share: float = 1.0,
+                 dtype: str | None = None, threads: int = 1):
         import torch
 
         from dflash_ray.data.supervision import Rendering
@@ -48,10 +50,10 @@ class RegenerateActor:
         if use_gpu:
             cap_gpu_memory(gpu_share)
         else:
-            torch.set_num_threads(1)
+            torch.set_num_threads(max(1, threads))
         self.regen = Regenerator(target_dir, Rendering(load_tokenizer(tokenizer_dir), template_kwargs),
                                  max_new_tokens=max_new_tokens, batch_size=batch_size, on_max_tokens=on_max_tokens,
-                                 device="cuda" if use_gpu else "cpu")
+                                 device="cuda" if use_gpu else "cpu", dtype=getattr(torch, dtype) if dtype else None)
 
     def __call__(self, batch: dict) -> dict:
         import numpy as np
@@ -159,9 +161,10 @@ def actor_pool_size(cluster, cluster_gpus: float | None = None) -> int:
 
 def regenerate(input_path: str, output_path: str, *, target_dir: str, tokenizer_dir: str, cluster,
                max_new_tokens: int, batch_size: int, on_max_tokens: str,
-               template_kwargs: dict | None = None, log=print) -> dict:
+               template_kwargs: dict | None = None, dtype: str | None = None, log=print) -> dict:
     """Run the job on the connected Ray cluster. Returns the counts by reason (and 'written', 'skipped:
-    already in the output', 'actors'). `on_max_tokens`: regenerate.on_max_tokens (drop | keep)."""
+    already in the output', 'actors'). `on_max_tokens`: regenerate.on_max_tokens (drop | keep). `dtype`:
+    the target's (model.compute_dtype; None: bf16 on GPUs, fp32 on CPUs)."""
     import ray
     from ray.data import ActorPoolStrategy
 
@@ -189,8 +192,11 @@ def regenerate(input_path: str, output_path: str, *, target_dir: str, tokenizer_
             fn_constructor_kwargs=dict(target_dir=str(target_dir), tokenizer_dir=str(tokenizer_dir),
                                        max_new_tokens=max_new_tokens, batch_size=batch_size, use_gpu=cluster.use_gpu,
                                        on_max_tokens=on_max_tokens, template_kwargs=template_kwargs,
-                                       gpu_share=cluster.target_gpus if cluster.use_gpu else 1.0),
+                                       gpu_share=cluster.target_gpus if cluster.use_gpu else 1.0, dtype=dtype,
+                                       # CPUs: regeneration is the machine's only job, its cores shared out
+                                       threads=max(1, (os.cpu_count() or 1) // actors)),
             **res)
+        t0, finished = time.monotonic(), 0
         with open(out, "a", encoding="utf-8") as f:
             for batch in ds.iter_batches(batch_size=None, batch_format="numpy"):
                 for line in batch["line"]:
@@ -201,6 +207,8 @@ def regenerate(input_path: str, output_path: str, *, target_dir: str, tokenizer_
                     if c:
                         counts.update(json.loads(c))
                 f.flush()
+                finished += len(batch["line"])
+                log(f"regenerate: {finished}/{len(todo)} conversations in {time.monotonic() - t0:.0f} s")
     summary = dict(sorted(counts.items()))
     log(f"regenerated {counts['written']} conversations -> {out} ({', '.join(f'{k}: {v}' for k, v in summary.items())})")
     return summary

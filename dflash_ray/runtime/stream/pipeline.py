@@ -148,13 +148,12 @@ def _max_block_bytes() -> float:
 
 
 def stream_bytes_per_token(run_spec) -> int:
-    """Bytes a token carries through the stream: the tapped layers' features (bf16 on a GPU, fp32 on the
-    CPU: what load_feature_extractor picks), its id (int32) and its loss-mask byte; 0 when the target's
-    width is unknown."""
+    """Bytes a token carries through the stream: the tapped layers' features (in the run's compute dtype),
+    its id (int32) and its loss-mask byte; 0 when the target's width is unknown."""
     hidden = run_spec.target_hidden_size
     if hidden <= 0:
         return 0
-    per_value = 2 if run_spec.cluster.use_gpu else 4
+    per_value = 2 if run_spec.compute_dtype == "bfloat16" else 4
     return hidden * len(run_spec.drafter.target_layer_ids) * per_value + 4 + 1
 
 
@@ -173,7 +172,7 @@ class TargetForward:
     features for each batch. Ray restarts a killed actor (Ray Data retries its batch on a live one)."""
 
     def __init__(self, target_path: str, layer_ids: list, use_gpu: bool, record: str, namespace: str,
-                 threads: int = 1, gpu_share: float = 1.0):
+                 threads: int = 1, gpu_share: float = 1.0, dtype: str = "float32"):
         import ray
         import torch
 
@@ -187,7 +186,10 @@ class TargetForward:
 
             cap_gpu_memory(gpu_share)
         # only the embedding and layers 0..max(tap): later layers and the LM head are never loaded
-        self.extract = load_feature_extractor(target_path, list(layer_ids), device=self.device)
+        self.extract = load_feature_extractor(target_path, list(layer_ids), device=self.device,
+                                              dtype=getattr(torch, dtype))
+        # an epoch end's filler rows: zeros encoded as the real rows are (one dtype in the stream)
+        self.filler_dtype = getattr(torch, dtype)
         self.key = ray.get_runtime_context().get_actor_id()[:12]
         self.record = ray.get_actor(record, namespace=namespace)   # the run record counts what we compute
         ray.get(self.record.target_started.remote(self.key, os.getpid(), ray.get_runtime_context().get_node_id()))
@@ -199,8 +201,10 @@ class TargetForward:
             t0 = time.perf_counter()
             ids = batch["input_ids"][i]
             if int(batch["position"][i]) < 0:  # a filler: zeros of the right shape, no forward
+                import torch
+
                 width = self.extract.hidden_size * len(self.extract.layer_ids)
-                feats, dtype = np.zeros(ids.shape + (width,), np.float32), "float32"
+                feats, dtype = encode_features(torch.zeros(ids.shape + (width,), dtype=self.filler_dtype))
             else:
                 feats, dtype = target_context(self.extract, ids, batch["lengths"][i], self.device)
             contexts.append(feats)
@@ -306,7 +310,7 @@ class DatasetFactory:
             TargetForward, batch_size=None, compute=ActorPoolStrategy(size=target_actors),
             fn_constructor_kwargs=dict(target_path=s.target_path, layer_ids=list(s.drafter.target_layer_ids),
                                        use_gpu=c.use_gpu, record=record_actor_name(s.coordinator), namespace=s.namespace,
-                                       gpu_share=c.target_gpus),
+                                       gpu_share=c.target_gpus, dtype=s.compute_dtype),
             **res, **pin)
 
 

@@ -116,8 +116,9 @@ def train_loop_per_worker(config: dict) -> None:
                            "the controller's checkpoint record and the checkpoint disagree")
     record.begin_attempt(cursor.step, world)
 
-    autocast = (lambda: torch.autocast("cuda", dtype=torch.bfloat16)) if device.type == "cuda" \
-        else contextlib.nullcontext   # bf16 autocast over fp32 weights on GPUs
+    # bf16 autocast over fp32 weights (GPUs; CPUs when model.compute_dtype says so)
+    autocast = (lambda: torch.autocast(device.type, dtype=torch.bfloat16)) if spec.compute_dtype == "bfloat16" \
+        else contextlib.nullcontext
     all_reduce = dist.all_reduce if world > 1 else None
     max_nonfinite = spec.train.max_nonfinite_steps   # 0: skip and count, never stop
     steps = feed["total_steps"] - cursor.step
