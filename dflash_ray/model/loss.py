@@ -80,20 +80,26 @@ class ChunkedHeadCE(torch.autograd.Function):
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         correct = torch.empty(hidden.shape[0], dtype=torch.bool, device=hidden.device)
         grad = torch.empty_like(hidden) if needs_grad else None
+        if torch.is_autocast_enabled(hidden.device.type):
+            # autocast would cast the [V, H] head again for each of the two matmuls of every chunk
+            head = head.to(torch.get_autocast_dtype(hidden.device.type))
         for lo in range(0, hidden.shape[0], chunk_rows):
             hi = min(lo + chunk_rows, hidden.shape[0])
             h = hidden[lo:hi].to(head.dtype)
             logits = (h @ head.t()).float()  # [chunk, V], the only vocab-sized tensor alive
             lbl, w = labels[lo:hi], weights[lo:hi].float()
-            lse = torch.logsumexp(logits, dim=-1)
+            # few passes over the [chunk, V] logits (memory-bound on CPUs): one max with its index (the
+            # argmax, first index on ties), one exp in place, one sum; the log-sum-exp from those
+            top, top_idx = logits.max(dim=-1)
+            correct[lo:hi] = top_idx == lbl
             picked = logits.gather(1, lbl[:, None])[:, 0]
-            loss += (w * (lse - picked)).sum()
-            correct[lo:hi] = logits.argmax(dim=-1) == lbl
+            exps = logits.sub_(top[:, None]).exp_()
+            total = exps.sum(dim=-1)
+            loss += (w * (top + total.log() - picked)).sum()
             if needs_grad:
                 # d CE / d logits = softmax - onehot, scaled by the row weight; in place to save memory.
-                probs = logits.sub_(lse[:, None]).exp_()
-                probs[torch.arange(hi - lo, device=probs.device), lbl] -= 1.0
-                probs.mul_(w[:, None])
+                probs = exps.mul_((w / total)[:, None])
+                probs[torch.arange(hi - lo, device=probs.device), lbl] -= w
                 grad[lo:hi] = (probs.to(head.dtype) @ head).to(hidden.dtype)
         if needs_grad:
             ctx.save_for_backward(grad)
