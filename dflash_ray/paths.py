@@ -36,12 +36,18 @@ def package_dir(value: str, key: str) -> str:
     return list(spec.submodule_search_locations)[0]
 
 
-def is_gguf(value: str) -> bool:
-    """A GGUF file, or a directory with a .gguf file and no config.json."""
+def gguf_file(value: str) -> str | None:
+    """The GGUF file `value` names: the file itself, or the one .gguf file of a directory that holds no
+    config.json (a Hugging Face directory that also ships GGUF files is taken as the Hugging Face model).
+    None when `value` is no GGUF target."""
     if os.path.isfile(value):
-        return value.lower().endswith(".gguf")
-    return (os.path.isdir(value) and not os.path.exists(os.path.join(value, "config.json"))
-            and any(n.lower().endswith(".gguf") for n in os.listdir(value)))
+        return value if value.lower().endswith(".gguf") else None
+    if not os.path.isdir(value) or os.path.exists(os.path.join(value, "config.json")):
+        return None
+    found = sorted(n for n in os.listdir(value) if n.lower().endswith(".gguf"))
+    if len(found) > 1:
+        raise UserError(f"{value}: {len(found)} GGUF files ({', '.join(found[:3])}): name one")
+    return os.path.join(value, found[0]) if found else None
 
 
 def resolve_model_dir(value: str, key: str, log=print) -> str:
@@ -51,10 +57,11 @@ def resolve_model_dir(value: str, key: str, log=print) -> str:
     when none works."""
     if value and str(value).startswith("package:"):
         value = package_dir(str(value), key)
-    if value and is_gguf(str(value)):
+    source = gguf_file(str(value)) if value else None
+    if source:
         from dflash_ray.model.gguf import converted_dir
 
-        return str(converted_dir(value, log=log))
+        return str(converted_dir(source, log=log))
     if not value or not is_hub_id(str(value)):
         return value
     from huggingface_hub import snapshot_download

@@ -24,6 +24,8 @@ import sys
 
 def main_job(cfg, *, progress: bool = True, log=print, plan_log=print):
     """The whole main job. Returns (run_spec, summary)."""
+    import contextlib
+
     from omegaconf import OmegaConf
 
     from dflash_ray.atomic import write_json_atomic
@@ -34,7 +36,9 @@ def main_job(cfg, *, progress: bool = True, log=print, plan_log=print):
     from dflash_ray.runtime.record import trackers
     from dflash_ray.runtime.record.heldout import final_tau
     from dflash_ray.runtime.record.layout import RunLayout
+    from dflash_ray.runtime.record.phases import PhaseClock
     from dflash_ray.model.export import write_model_card
+    from dflash_ray.paths import resolve_model_paths
     from dflash_ray.runtime.record.summary import build_summary, model_card_facts
     from dflash_ray.runtime.spec import RunPlans, resolve_spec
     from dflash_ray.runtime.training.checkpoint import export_latest
@@ -44,27 +48,39 @@ def main_job(cfg, *, progress: bool = True, log=print, plan_log=print):
     if required:  # before Ray starts: a run that cannot resolve should not cost a cluster start
         raise UserError(f"config key '{required[0]}' must be set (e.g. {required[0]}=...)")
     trackers.check_installed(trackers.chosen(cfg.train))   # before Ray starts: one line naming the extra
-    with ray_cluster(OmegaConf.to_object(cfg.cluster), log=log):
-        make_demo_inputs(cfg, log=log)         # no data given (the embedded default): make the demo world
-        make_missing_inputs(cfg, log=log)      # a synthesised target for model.target_path: null; shards not prepared yet
-        run_spec = resolve_spec(cfg, log=log)  # the config's choices answered and checked (a rerun: against its start)
-        plans = RunPlans(run_spec)             # each epoch's plan built once, here, and handed on
-        plan_summary = plans(0).summary()
+    clock = PhaseClock()   # where the job's time goes: printed at the end, summary.json's "phases"
+    with clock("model paths"):   # hub ids, package: names, GGUF files (converted once) -> local directories
+        resolve_model_paths(cfg, log=log)
+    with contextlib.ExitStack() as cluster:
+        with clock("ray start"):
+            cluster.enter_context(ray_cluster(OmegaConf.to_object(cfg.cluster), log=log))
+        with clock("inputs"):
+            make_demo_inputs(cfg, log=log, clock=clock)     # no data given (the embedded default): the demo world
+            make_missing_inputs(cfg, log=log, clock=clock)  # a synthesised target for model.target_path: null; shards
+        with clock("spec and plan"):
+            run_spec = resolve_spec(cfg, log=log)  # the config's choices answered and checked (a rerun: against its start)
+            plans = RunPlans(run_spec)             # each epoch's plan built once, here, and handed on
+            plan_summary = plans(0).summary()
         plan_log(format_plan(plan_summary))
         check_resources(run_spec.cluster)
-        try:
-            outcome = fit(run_spec, plans, num_buckets=len(plan_summary["buckets"]) or 1, progress=progress)
-        except BaseException:
-            trackers.end_run(run_spec, None, failed=True, log=log)   # the tracker runs say FAILED
-            raise
-
-        summary = build_summary(run_spec, plans, plan_summary, outcome.report, started=outcome.started,
-                                wall_seconds=outcome.wall_seconds)
-        if export_latest(run_spec) is None:
-            summary["export"] = None
+        with clock("training") as training:
+            try:
+                outcome = fit(run_spec, plans, num_buckets=len(plan_summary["buckets"]) or 1, progress=progress)
+            except BaseException:
+                trackers.end_run(run_spec, None, failed=True, log=log)   # the tracker runs say FAILED
+                raise
+            summary = build_summary(run_spec, plans, plan_summary, outcome.report, started=outcome.started,
+                                    wall_seconds=outcome.wall_seconds)
+            training["tokens"] = summary.get("tokens_this_invocation")
+        with clock("export"):
+            if export_latest(run_spec) is None:
+                summary["export"] = None
         # held-out tau of the fresh and the trained drafter, on a target GPU now that training let it go
-        summary["heldout_tau"] = (final_tau(run_spec, summary["export"], log=log)
-                                  if run_spec.heldout and summary["export"] else None)
+        with clock("held-out tau"):
+            summary["heldout_tau"] = (final_tau(run_spec, summary["export"], log=log)
+                                      if run_spec.heldout and summary["export"] else None)
+    summary["phases"] = clock.rows
+    log("where the time went:\n" + clock.table())
     if summary["export"]:   # the export's model card: the target, data, steps and the held-out tau just measured
         write_model_card(summary["export"], model_card_facts(run_spec, summary))
     write_json_atomic(RunLayout(run_spec.run_dir).summary, summary)

@@ -177,3 +177,33 @@ print((resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before) // 1024, tup
     grown_mb, shape = proc.stdout.split(maxsplit=1)
     assert shape.strip() == "(8, 1, 64, 68)"
     assert int(grown_mb) < 100, f"peak RSS grew {grown_mb} MB building the mask"
+
+
+@pytest.mark.parametrize("block_size,ctx_len,anchors", SHAPES[::2], ids=IDS[::2])
+def test_split_kernel_equals_sdpa_with_the_dense_mask_values_and_gradients(block_size, ctx_len, anchors):
+    """The CPU's split kernel (context under the anchor rule + each block's own keys, one softmax) gives
+    SDPA's output and gradients over the dense rule (including padding anchors 0: own block only)."""
+    q, k, v = (t.requires_grad_() for t in _qkv(anchors, ctx_len, block_size))
+    ours = attention.attend(q, k, v, attention.training_mask(anchors, ctx_len, block_size, "split"))
+    grads = torch.autograd.grad(ours.square().sum(), (q, k, v))
+    ref = F.scaled_dot_product_attention(q, k, v, attn_mask=attention.dense_mask(anchors, ctx_len, block_size),
+                                         enable_gqa=True)
+    ref_grads = torch.autograd.grad(ref.square().sum(), (q, k, v))
+    torch.testing.assert_close(ours, ref, rtol=0, atol=1e-5)
+    for g, r in zip(grads, ref_grads):
+        torch.testing.assert_close(g, r, rtol=1e-4, atol=1e-4)
+
+
+def test_the_cpu_trains_with_the_split_kernel_and_a_leaky_context_mask_is_caught():
+    """auto picks the split kernel on the CPU; a context mask that lets a block see its own anchor's
+    position (the leak attention.py warns of) changes the output, so the equality above guards the rule."""
+    g = torch.Generator().manual_seed(3)
+    ctx_len, block_size = 50, 4
+    anchors = _anchors(g, 2, 6, ctx_len)
+    mask = attention.training_mask(anchors, ctx_len, block_size)
+    assert isinstance(mask, attention.SplitMask)
+    q, k, v = _qkv(anchors, ctx_len, block_size)
+    good = attention.attend(q, k, v, mask)
+    leak = anchors.repeat_interleave(block_size, 1)[:, :, None] == torch.arange(ctx_len)[None, None]
+    mask.context = mask.context | leak
+    assert (attention.attend(q, k, v, mask) - good).abs().max() > 1e-3

@@ -172,21 +172,22 @@ def test_blocks_do_not_see_each_other(setup):
     assert not torch.equal(a[0, 1], b[0, 1])
 
 
-def test_flex_and_sdpa_agree(setup):
-    """Same numbers from both kernels. (torch 2.13 has no FlexAttention backward on the CPU, so the CPU
-    trains through SDPA: 'auto' picks it; the GPU's flex backward is torch's own, tested upstream.)"""
+def test_flex_split_and_sdpa_agree(setup):
+    """Same numbers from the three kernels. (torch 2.13 has no FlexAttention backward on the CPU, so the CPU
+    trains through the split kernel: 'auto' picks it; the GPU's flex backward is torch's own, tested upstream.)"""
     s = setup
     warnings.filterwarnings("ignore", message=".*flex_attention called without torch.compile.*")
     d = s["drafter"]
     anchors = torch.tensor([[3, 12, 33], [7, 8, 26]])
     results = {}
     with torch.no_grad():
-        for backend in ("sdpa", "flex"):
+        for backend in ("sdpa", "flex", "split"):
             d.attention_backend = backend
             results[backend] = d(s["ids"], s["context"], anchors)
     d.attention_backend = "sdpa"
     torch.testing.assert_close(results["flex"], results["sdpa"], rtol=0, atol=1e-5)
-    assert attention.resolve_backend("auto", torch.device("cpu")) == "sdpa"
+    torch.testing.assert_close(results["split"], results["sdpa"], rtol=0, atol=1e-5)
+    assert attention.resolve_backend("auto", torch.device("cpu")) == "split"
     assert attention.resolve_backend("auto", torch.device("cuda")) == "flex"
 
 

@@ -75,6 +75,14 @@ def test_regenerated_turns_equal_a_plain_greedy_loop_on_the_regenerated_history(
     assert counts["regenerated turns"] == 3
     # a random target rarely says end-of-turn within 12 tokens: those turns are counted, and kept
     assert counts["hit max_new_tokens"] == counts["turns kept without an end token: hit max_new_tokens"]
+    # the tokens generated: each turn's greedy ids through its end token, or the cap's 12
+    generated = 0
+    for conv, got in zip(CONVS, out):
+        for k, m in enumerate(got):
+            if m["role"] == "assistant":
+                ids = greedy_tokens(tok, target, got[:k], 12)
+                generated += ids.index(tok.eos_token_id) + 1 if tok.eos_token_id in ids else 12
+    assert counts["generated tokens"] == generated
 
 
 def test_a_turn_that_hits_the_cap_is_dropped_with_the_rest_of_its_conversation_counted(world):

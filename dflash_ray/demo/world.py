@@ -25,6 +25,7 @@ from dflash_ray.data.prepare import options_from_config, prepare, template_kwarg
 from dflash_ray.data.shards import list_shards
 from dflash_ray.data.synthetic import train_tokenizer, write_corpus
 from dflash_ray.runtime.record.layout import RunLayout
+from dflash_ray.runtime.record.phases import phase
 
 
 @dataclass(frozen=True)
@@ -38,11 +39,12 @@ class DemoInputs:
     heldout: str | None   # data.prompts: held-out prompts for tau (None: data.synthetic.heldout_prompts is 0)
 
 
-def make_demo_inputs(cfg, log=print) -> DemoInputs | None:
+def make_demo_inputs(cfg, log=print, clock=None) -> DemoInputs | None:
     """The demo world when the config names no data (data.input: null); None, and nothing made, when it
     does. Fills data.input (the corpus, or its regeneration), data.tokenizer (when null), model.target_path
     (when null) and data.prompts (the held-out prompts, when data.synthetic.heldout_prompts > 0) in `cfg`.
-    The regeneration runs on the connected Ray cluster: call it with Ray up."""
+    The regeneration runs on the connected Ray cluster: call it with Ray up. `clock`: a PhaseClock that
+    times each step (runtime/record/phases.py)."""
     from transformers import AutoTokenizer
 
     d = cfg.data
@@ -51,28 +53,40 @@ def make_demo_inputs(cfg, log=print) -> DemoInputs | None:
     run_dir = Path(cfg.run.dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     layout = RunLayout(run_dir)
-    ensure_corpus(cfg, log=log)
-    tok = AutoTokenizer.from_pretrained(str(require(cfg, "data.tokenizer")))
+    with phase(clock, "corpus and tokenizer"):
+        ensure_corpus(cfg, log=log)
+        tok = AutoTokenizer.from_pretrained(str(require(cfg, "data.tokenizer")))
     if cfg.model.target_path is None:
-        ensure_target(cfg, log=log)
-        if d.synthetic.target_steps > 0:
-            _train_demo_target(cfg, tok, cfg.model.target_path, log)
+        with phase(clock, "target"):
+            ensure_target(cfg, log=log)
+            if d.synthetic.target_steps > 0:
+                _train_demo_target(cfg, tok, cfg.model.target_path, log)
     if d.synthetic.regenerate and not Path(str(d.shards)).exists():
-        d.input = _regenerate_demo(cfg, layout, cfg.model.target_path, log)
-    ensure_shards(cfg, log=log)
+        with phase(clock, "regeneration") as step:
+            d.input, step["tokens"] = _regenerate_demo(cfg, layout, cfg.model.target_path, log)
+    with phase(clock, "prepare") as step:
+        step["tokens"] = ensure_shards(cfg, log=log)
     if d.synthetic.heldout_prompts > 0:
-        d.prompts = str(write_heldout(cfg, tok, layout.heldout, log=log))
+        with phase(clock, "held-out prompts"):
+            d.prompts = str(write_heldout(cfg, tok, layout.heldout, log=log))
     return DemoInputs(corpus=str(d.input), tokenizer=str(d.tokenizer), target=str(cfg.model.target_path),
                       shards=str(d.shards), heldout=str(d.prompts) if d.synthetic.heldout_prompts > 0 else None)
 
 
-def make_missing_inputs(cfg, log=print) -> None:
+def make_missing_inputs(cfg, log=print, clock=None) -> None:
     """What a config with its own data leaves to be made: the target synthesised under <run.dir>/target when
     model.target_path is null (filled in `cfg`), and data.input prepared into data.shards when those do not
     exist yet. Nothing to do after make_demo_inputs."""
     Path(cfg.run.dir).resolve().mkdir(parents=True, exist_ok=True)
-    ensure_target(cfg, log=log)
-    ensure_shards(cfg, log=log)
+    if cfg.model.target_path is None:
+        with phase(clock, "target"):
+            ensure_target(cfg, log=log)
+    shards = require(cfg, "data.shards")
+    if "://" not in str(shards) and not Path(shards).exists():
+        with phase(clock, "prepare") as step:
+            step["tokens"] = ensure_shards(cfg, log=log)
+    else:
+        ensure_shards(cfg, log=log)
 
 
 def ensure_corpus(cfg, log=print) -> bool:
@@ -115,16 +129,20 @@ def ensure_target(cfg, log=print) -> None:
     cfg.model.target_path = str(target)
 
 
-def ensure_shards(cfg, log=print) -> None:
-    """Prepare data.input into data.shards when the shard directory does not exist yet. Required values
-    (`???`) must be given unless shards exist. Shards at a URI (s3://...) are read, never prepared here."""
+def ensure_shards(cfg, log=print) -> int | None:
+    """Prepare data.input into data.shards when the shard directory does not exist yet; the tokens
+    prepared (None: nothing to prepare). Required values (`???`) must be given unless shards exist.
+    Shards at a URI (s3://...) are read, never prepared here."""
     shards = require(cfg, "data.shards")
+    tokens = None
     if "://" not in str(shards) and not Path(shards).exists():
         s = prepare(require(cfg, "data.input"), require(cfg, "data.tokenizer"), shards, progress=False,
                     **options_from_config(cfg))
         dropped = ", ".join(f"{k}: {v}" for k, v in s.dropped.items()) or "none"
         log(f"prepared {s.samples} samples, {s.tokens} tokens in {s.shards} shards -> {shards} (dropped: {dropped})")
+        tokens = int(s.tokens)
     list_shards(shards)
+    return tokens
 
 
 def ensure_data(cfg, log=print):
@@ -184,16 +202,19 @@ def _train_demo_target(cfg, tok, target_path, log) -> None:
                     pad_id=tok.pad_token_id or 0, seed=cfg.seed, log=log)
 
 
-def _regenerate_demo(cfg, layout: RunLayout, target_path, log) -> str:
-    """The demo corpus with the target's own answers (a Ray Data job on the connected cluster)."""
+def _regenerate_demo(cfg, layout: RunLayout, target_path, log) -> tuple[str, int | None]:
+    """The demo corpus with the target's own answers (a Ray Data job on the connected cluster), and the
+    tokens it generated (None: made by an earlier run)."""
     from dflash_ray.runtime.jobs.regenerate import regenerate
 
     out, done = layout.regenerated, layout.regenerated_done
+    generated = None
     if not done.exists():
         r = cfg.regenerate
-        regenerate(str(cfg.data.input), str(out), target_dir=str(target_path), tokenizer_dir=str(cfg.data.tokenizer),
+        counts = regenerate(str(cfg.data.input), str(out), target_dir=str(target_path), tokenizer_dir=str(cfg.data.tokenizer),
                    cluster=OmegaConf.to_object(cfg.cluster), max_new_tokens=r.max_new_tokens,
                    batch_size=r.batch_size, on_max_tokens=r.on_max_tokens, template_kwargs=template_kwargs(cfg),
                    dtype=cfg.model.compute_dtype, log=log)
         done.touch()
-    return str(out)
+        generated = counts.get("generated tokens")
+    return str(out), generated

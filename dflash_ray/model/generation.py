@@ -183,7 +183,9 @@ class Regenerator:
             order = sorted(prompts, key=lambda i: len(prompts[i]))
             for a in range(0, len(order), self.batch_size):
                 chunk = order[a:a + self.batch_size]
-                for i, (text, stopped, capped_by) in zip(chunk, self._generate([prompts[i] for i in chunk])):
+                results, generated = self._generate([prompts[i] for i in chunk])
+                counts["generated tokens"] += generated
+                for i, (text, stopped, capped_by) in zip(chunk, results):
                     self._add_turn(i, text, stopped, capped_by, history, pending, tools, counts, finish)
         return out, counts
 
@@ -212,9 +214,10 @@ class Regenerator:
             finish(i, history[i], early=True)
 
     @torch.inference_mode()
-    def _generate(self, prompts: list[list[int]]) -> list[tuple[str, bool, str]]:
+    def _generate(self, prompts: list[list[int]]) -> tuple[list[tuple[str, bool, str]], int]:
         """(text, stopped at an end token, what capped it: 'max_new_tokens' or 'the target's context') per
-        prompt; text is decoded from exactly the ids generated before the end token."""
+        prompt, and the tokens generated (end tokens included); text is decoded from exactly the ids
+        generated before the end token."""
         from transformers import GenerationConfig
 
         width = max(len(p) for p in prompts)
@@ -230,13 +233,14 @@ class Regenerator:
         config = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=self.ends, pad_token_id=pad)
         gen = self.model.generate(ids.to(self.device), attention_mask=attn.to(self.device),
                                   generation_config=config)[:, width:].tolist()
-        ends, results = set(self.ends), []
+        ends, results, generated = set(self.ends), [], 0
         for row in gen:
             stop = next((k for k, t in enumerate(row) if t in ends), None)
             # a row that never stopped generated `new` tokens: generate pads only after a row's end token
             body = row if stop is None else row[:stop]
             results.append((self.tok.decode(body), stop is not None, capped_by))
-        return results
+            generated += len(row) if stop is None else stop + 1
+        return results, generated
 
 
 def _well_formed(conv) -> bool:

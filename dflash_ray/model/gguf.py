@@ -23,28 +23,12 @@ import uuid
 from pathlib import Path
 
 from dflash_ray.errors import UserError
-from dflash_ray.paths import is_gguf
 
 SOURCE_RECORD = "gguf-source.json"
 
 
 def cache_root() -> Path:
     return Path(os.environ.get("DFLASH_RAY_CACHE") or Path.home() / ".cache" / "dflash-ray")
-
-
-def gguf_file(path: str | os.PathLike) -> Path | None:
-    """The GGUF file `path` names: the file itself, or the one .gguf file of a directory that holds no
-    config.json (a Hugging Face directory that also ships a GGUF file is taken as the Hugging Face model).
-    None when `path` is not a GGUF target."""
-    p = Path(path)
-    if not is_gguf(str(p)):
-        return None
-    if p.is_file():
-        return p
-    found = sorted(f for f in p.iterdir() if f.name.lower().endswith(".gguf"))
-    if len(found) > 1:
-        raise UserError(f"{p}: {len(found)} GGUF files ({', '.join(f.name for f in found[:3])}): name one")
-    return found[0]
 
 
 def file_digest(path: Path) -> str:
@@ -55,13 +39,11 @@ def file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
-def converted_dir(path: str | os.PathLike, *, cache: str | os.PathLike | None = None, log=print) -> Path:
-    """The Hugging Face directory of the GGUF file at `path` (a file, or a directory holding one),
-    converting it on first use. One line (UserError) when the gguf package is missing, the file is not a
-    readable GGUF file, or transformers cannot dequantise its architecture."""
-    src = gguf_file(path)
-    if src is None:
-        raise UserError(f"{path}: not a GGUF file (nor a directory holding one)")
+def converted_dir(src: str | os.PathLike, *, cache: str | os.PathLike | None = None, log=print) -> Path:
+    """The Hugging Face directory of the GGUF file `src` (paths.gguf_file finds it), converting it on
+    first use. One line (UserError) when the gguf package is missing, the file is not a readable GGUF
+    file, or transformers cannot dequantise its architecture."""
+    src = Path(src)
     digest = file_digest(src)
     out = Path(cache or cache_root()) / "gguf" / digest[:16]
     if (out / SOURCE_RECORD).exists():
