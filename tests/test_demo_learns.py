@@ -72,6 +72,11 @@ def test_heldout_tau_during_training_keeps_the_best_drafter(demo):
     assert [e["step"] for e in during] == list(range(100, s["steps"] + 1, 100))
     evals = [json.loads(line) for line in (Path(spec.run_dir) / "evals.jsonl").read_text().splitlines()]
     assert [(e["step"], e["tau"]) for e in evals] == [(e["step"], e["tau"]) for e in during]
+    # each with the context tokens trained through its step (metrics.jsonl: one line a step in this run)
+    metrics = [json.loads(line) for line in (Path(spec.run_dir) / "metrics.jsonl").read_text().splitlines()]
+    assert [e["target_tokens"] for e in during] == [sum(m["tokens"] for m in metrics if m["step"] <= e["step"])
+                                                    for e in during]
+    assert 0 < during[0]["target_tokens"] < during[-1]["target_tokens"]
     top = max(during, key=lambda e: e["tau"])
     assert s["best"] == {"step": top["step"], "tau": top["tau"], "dir": str(Path(spec.run_dir) / "best")}
     DFlashDraftModel.from_pretrained(s["best"]["dir"])

@@ -175,3 +175,20 @@ def test_the_loss_falls_and_the_export_gives_the_references_tau(real_run, monkey
     lengths = reference_acceptance_lengths(str(run / "export"), spec.target_path, prompts,
                                            spec.heldout_max_new_tokens, [eos], monkeypatch)
     assert sum(sum(x) / len(x) for x in lengths) / len(lengths) == pytest.approx(tau["trained"]["tau"], rel=1e-9)
+
+
+def test_the_summary_says_where_the_time_went(real_run):
+    spec, s = real_run
+    phases = {r["phase"]: r for r in s["phases"]}
+    for name in ("model paths", "ray start", "inputs", "inputs/corpus and tokenizer", "inputs/regeneration",
+                 "inputs/prepare", "inputs/held-out prompts", "spec and plan", "training", "export", "held-out tau"):
+        assert phases[name]["seconds"] > 0, name
+    assert "inputs/target" not in phases                     # the target is given: nothing synthesised
+    assert phases["training"]["tokens"] == s["tokens"]
+    # the tokens regeneration generated: every kept turn's ids (through its end token, or the cap's 40)
+    # are at least the supervised tokens of the shards, which hold the kept turns only
+    import pyarrow.parquet as pq
+
+    supervised = sum(pq.read_table(sorted(Path(spec.shards).glob("*.parquet")))["num_supervised"].to_pylist())
+    assert supervised <= phases["inputs/regeneration"]["tokens"] <= 16 * 2 * 40
+    assert phases["inputs/prepare"]["tokens"] == s["tokens"] // 2      # two epochs of the prepared tokens

@@ -51,11 +51,15 @@ def initial_and_trained_tau(run_spec, export_files: dict, prompts: tuple) -> dic
     step 0, on a GPU run another draw of the same initialisation, as the ranks initialise on the device) and
     of the run's export (`export_files`: its files by name, measured exactly as exported). A Ray task on a
     target GPU (final_tau), where the device is the task's own."""
+    import os
+
     import torch
 
     from dflash_ray.model.export import export_drafter
     from dflash_ray.runtime.training.model import build_run_drafter
 
+    if not run_spec.cluster.use_gpu:   # after training the machine's cores are this task's (Ray gives it one)
+        torch.set_num_threads(max(1, os.cpu_count() or 1))
     with tempfile.TemporaryDirectory(prefix="dflash-initial-") as initial, \
             tempfile.TemporaryDirectory(prefix="dflash-export-") as trained:
         export_drafter(build_run_drafter(run_spec, torch.device("cpu")), initial)
@@ -86,6 +90,8 @@ def final_tau(run_spec, export_dir: str, log=print, wait_s: float = RESOURCE_WAI
     name, amount = ("GPU", c.target_gpus) if c.use_gpu else (c.target_resource, 1)
     files = {p.name: p.read_bytes() for p in Path(export_dir).iterdir() if p.is_file()}
     prompts = heldout_prompts(run_spec)
+    log(f"held-out tau: {len(prompts[0])} prompts x up to {run_spec.heldout_max_new_tokens} tokens, the fresh and "
+        "the trained drafter against plain greedy decoding")
     if not resource_free_within(name, amount, wait_s):
         log(f"held-out tau: no free {name} for a target-side task after {wait_s:.0f} s; measured in the driver")
         return initial_and_trained_tau(run_spec, files, prompts)

@@ -62,7 +62,10 @@ def build_summary(run_spec, plans, plan_summary: dict, report: dict, *, started:
         "placement": report.get("placement"), "feature_traffic": report.get("feature_traffic"),
         "target_busy_max_over_min": report["target_busy_max_over_min"],
         "timeline_seconds": report.get("timeline", {}),
-        "heldout_tau_during_training": [{"step": e["step"], "tau": e["tau"]} for e in report.get("evals", [])],
+        # tau against the target tokens trained so far: does more data or more steps help?
+        "heldout_tau_during_training": [{"step": e["step"], "tau": e["tau"],
+                                         "target_tokens": _tokens_through(metrics, e["step"])}
+                                        for e in report.get("evals", [])],
         "best": _best(run_spec, report.get("evals", [])),
         "measured": measured_rates(report["targets"], metrics, c.drafter_workers),
         "model": asdict(run_spec.drafter),
@@ -104,3 +107,10 @@ def model_card_facts(run_spec, summary: dict | None) -> dict:
                if tau.get(k)}
     return {"target": run_spec.target_path, "data": run_spec.shards or None, "steps": s.get("steps"),
             "tokens": s.get("tokens"), "epochs": run_spec.train.epochs, "heldout_tau": tau}
+
+
+def _tokens_through(metrics: list, step: int) -> int:
+    """Context tokens trained in steps 1..step (metrics.jsonl: each step's tokens, the last line of a step
+    that a restart repeated counting once)."""
+    per_step = {int(m["step"]): int(m.get("tokens", 0)) for m in metrics if "step" in m}
+    return sum(t for s, t in per_step.items() if s <= step)
