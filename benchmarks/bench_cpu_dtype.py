@@ -43,7 +43,7 @@ def drafter_rows(rows: int, length: int, repeats: int) -> list[tuple[str, float,
     torch.manual_seed(0)
     cfg = LlamaConfig(**SMOL)
     embed = torch.randn(cfg.vocab_size, cfg.hidden_size) * 0.02
-    taps = (1, 7, 14, 20, 27)
+    taps = (1, 8, 14, 20, 27)
     dcfg = DrafterConfig(num_draft_layers=5, block_size=8, num_anchors=512, target_layer_ids=taps, mask_token_id=16)
     ids = torch.randint(20, 49000, (rows, length))
     mask = torch.zeros(rows, length, dtype=torch.long)
