@@ -183,7 +183,9 @@ def test_the_summary_says_where_the_time_went(real_run):
     phases = {r["phase"]: r for r in s["phases"]}
     for name in ("model paths", "ray start", "inputs", "inputs/corpus and tokenizer", "inputs/regeneration",
                  "inputs/prepare", "inputs/held-out prompts", "spec and plan", "training", "export", "held-out tau"):
-        assert phases[name]["seconds"] > 0, name
+        assert phases[name]["seconds"] >= 0, name    # (model paths: the directory is given, nothing to convert)
+    for name in ("ray start", "inputs/regeneration", "training", "held-out tau"):
+        assert phases[name]["seconds"] > 0.1, name
     assert "inputs/target" not in phases                     # the target is given: nothing synthesised
     assert phases["training"]["tokens"] == s["tokens"]
     # the tokens regeneration generated: every kept turn's ids (through its end token, or the cap's 40)
