@@ -49,13 +49,14 @@ HELP = {
         "the epoch plan of the shards: buckets, batches, budgets, order, GPU split, memory model",
         "The epoch plan from the shards' sample_id / num_tokens / num_supervised only: buckets, batches, "
         "padding efficiency, both budgets' use per bucket (target fill and cost, drafter anchors, block tokens, "
-        "anchor density), order measures; the capacity model's best target/drafter GPU split for cluster=...; "
+        "anchor density, block tokens per context token), order measures; the capacity model's best target/drafter GPU split for cluster=...; "
         "the memory model (drafter step and target actor peak for the worst batch; a WARNING above "
         "cluster.device_memory_gb x the process's GPU share). The target's shape comes from "
         "model.target_path's config.json, else from the model preset (model.target_config). --dump writes "
         "position, bucket, sample_ids as parquet; --check validates every token.",
         ("data.shards", "model.target_path", "data.bucket_boundaries", "data.max_tokens_per_batch",
-         "data.interleave", "data.attention_tokens", "model.anchors_per_batch", "cluster.device_memory_gb",
+         "data.interleave", "data.attention_tokens", "model.max_block_tokens_per_batch", "model.anchors_per_batch",
+         "cluster.device_memory_gb",
          "plan.epoch", "seed")),
     "order-stats": (
         "order measures of the interleave strategies for given batch counts (no data needed)",

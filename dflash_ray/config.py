@@ -50,7 +50,10 @@ class ModelConfig:
     block_size: int = 16                         # tokens per draft block (the anchor and its B-1 masked positions)
     mask_token_id: Optional[int] = None          # null: the tokenizer's mask token, else a reserved id past its vocabulary
     num_anchors: int = 512                       # anchors (draft blocks) per row at most
-    anchors_per_batch: Optional[int] = None      # blocks per batch over all its rows (null: num_anchors per row only)
+    # the drafter's budget: block tokens (anchors x block_size) a batch trains at most; the plan cuts batches of
+    # short, dense rows smaller so every row keeps the recipe's density (null: no bound: memory grows with it)
+    max_block_tokens_per_batch: Optional[int] = None
+    anchors_per_batch: Optional[int] = None      # thinning: blocks per batch over all its rows, fewer than they hold (null: none)
     loss_gamma: Optional[float] = None           # loss decay over a block's positions (null: 7 for B=16, 5 for B=10, 4 for B=8)
     drafter_intermediate_size: Optional[int] = None     # drafter MLP width (null: the target's intermediate_size)
     drafter_num_attention_heads: Optional[int] = None   # drafter heads (null: the target's); head_dim stays the target's
@@ -202,6 +205,7 @@ CHOICES = {"data.overlong": ("truncate", "drop"), "data.format": FORMATS, "data.
            "train.checkpoint_upload": ("async", "sync"), "regenerate.on_max_tokens": ("drop", "keep"),
            "data.synthetic.corpus": ("walks", "instructions"), "model.compute_dtype": (None, "bfloat16", "float32")}
 MINIMUM = {"model.block_size": 2, "model.num_draft_layers": 1, "model.num_anchors": 1, "model.anchors_per_batch": 1,
+           "model.max_block_tokens_per_batch": 1,
            "model.drafter_intermediate_size": 1, "model.drafter_num_attention_heads": 1,
            "model.drafter_num_key_value_heads": 1,
            "data.shard_size": 1, "data.max_tokens_per_batch": 1, "data.chunk_batches": 1, "data.attention_tokens": 0,

@@ -74,6 +74,35 @@ def test_the_drafter_budget_per_batch_and_the_anchor_density():
     assert row["anchor_density"] == pytest.approx(64 / 490)
 
 
+def test_the_block_token_budget_cuts_batches_at_full_density():
+    # 40 samples of 100 tokens, 50 supervised (49 valid anchors), num_anchors 20: every row trains 20 anchors
+    # = 160 block tokens (block 8). A budget of 500 block tokens takes 3 rows (480; 4 would be 640), the
+    # target's 1024-token budget 10: batches of 3, 3, ..., and a last one of 1 -> ceil(40 / 3) = 14 batches,
+    # every row still trains all 20 of its anchors (density unchanged, nothing thinned)
+    n = 40
+    plan = build_plan(np.arange(n), np.full(n, 100), _spec(max_block_tokens_per_batch=500),
+                      num_supervised=np.full(n, 50))
+    trained, _ = plan.drafter_anchors()
+    assert sorted(np.diff(plan.offsets).tolist()) == [1] + [3] * 13
+    assert trained.sum() == 20 * n and (trained * 8 <= 500).all()
+    s = plan.summary()
+    assert s["block_tokens"] == 20 * n * 8 and s["block_tokens_per_token"] == pytest.approx(1.6)
+    # the target's budget still binds where it is the smaller one: 2 rows x 500 tokens, 40 anchors = 320 <= 500
+    plan = build_plan(np.arange(n), np.full(n, 500), _spec(max_block_tokens_per_batch=500),
+                      num_supervised=np.full(n, 250))
+    assert np.diff(plan.offsets).tolist() == [2] * 20
+    # a row whose own anchors pass the budget makes a batch alone and is the one row thinned (to 500 // 8 = 62)
+    plan = build_plan(np.arange(3), np.full(3, 100), _spec(max_block_tokens_per_batch=500, num_anchors=90),
+                      num_supervised=np.full(3, 80))
+    trained, valid = plan.drafter_anchors()
+    assert np.diff(plan.offsets).tolist() == [1, 1, 1] and trained.tolist() == [62] * 3 and valid.tolist() == [79] * 3
+    # the step's cap is the same number (runtime/spec.py passes it to the drafter's anchor_quota)
+    cfg = compose_config(["model.max_block_tokens_per_batch=500", "model.num_anchors=90"])
+    assert PlanSpec.from_config(cfg).batch_anchor_cap() == 62
+    with pytest.raises(UserError, match="model.max_block_tokens_per_batch.*smaller than one block"):
+        PlanSpec.from_config(compose_config(["model.max_block_tokens_per_batch=7"]))
+
+
 def test_without_supervised_counts_every_token_counts_and_nothing_is_dropped_for_it():
     lengths = np.array([100, 100, 300])
     plan = build_plan(np.arange(3), lengths, _spec(num_anchors=1000))

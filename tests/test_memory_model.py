@@ -76,24 +76,68 @@ def qwen3_8b_world(tmp_path_factory):
             "data=sharegpt", "data.tokenizer=unused", "cluster=8gpu"]
 
 
-def test_plan_prints_the_memory_model_and_flat_drafter_memory_with_the_anchor_budget(qwen3_8b_world, capsys):
+def test_plan_keeps_drafter_memory_flat_at_the_recipes_density(qwen3_8b_world, capsys):
     assert run_command("plan", qwen3_8b_world + ["--json"]) == 0
     out = json.loads(capsys.readouterr().out)
-    mem = out["memory"]
-    assert mem["warnings"] == [] and mem["drafter_bucket_max_over_min"] < 1.1
-    assert mem["drafter"]["total"] < 60 * GIB
-    # without the per-batch anchor budget the short-row batches carry ~48 rows x 512 anchors
-    assert run_command("plan", qwen3_8b_world + ["--json", "model.anchors_per_batch=null"]) == 0
-    loose = json.loads(capsys.readouterr().out)["memory"]
-    assert loose["drafter_bucket_max_over_min"] > 3 and loose["drafter"]["total"] > 139 * GIB
-    assert any("more than its 139.0 GiB" in w for w in loose["warnings"])
+    mem, plan = out["memory"], out
+    # every valid anchor up to 512 a row: 16 x min(512, 0.7 L - 1) block tokens per sample, by hand
+    lengths = np.clip(np.exp(np.random.default_rng(0).normal(np.log(900), 0.9, size=4000)), 64, 8192).astype(np.int32)
+    by_hand = 16 * np.minimum(512, (lengths * 0.7).astype(np.int64) - 1).sum()
+    assert plan["block_tokens"] == by_hand and plan["anchors_per_batch"] is None
+    assert plan["block_tokens_per_token"] == pytest.approx(by_hand / lengths.sum())
+    # the goal: peak drafter memory max/min over the buckets <= 1.5 at that density, no warning on an H200
+    assert mem["warnings"] == [] and mem["drafter_bucket_max_over_min"] <= 1.5
+    assert all(r["block_tokens_per_batch"] <= 16384 for r in plan["buckets"])
+    # without the drafter's budget the short-row batches carry ~48 rows x their every anchor: on an 80 GB GPU
+    # that step no longer fits, the bounded one does
+    for extra, fits in (([], True), (["model.max_block_tokens_per_batch=null"], False)):
+        assert run_command("plan", qwen3_8b_world + ["--json", "cluster.device_memory_gb=80", *extra]) == 0
+        m80 = json.loads(capsys.readouterr().out)["memory"]
+        assert (m80["warnings"] == []) == fits, m80["warnings"]
+    assert m80["drafter_bucket_max_over_min"] > 3 and m80["drafter"]["total"] > 2 * mem["drafter"]["total"]
+    assert "more than its 80.0 GiB" in m80["warnings"][0]
+    # thinning (the explicit knob) trains ~7x fewer blocks per context token on these lengths
+    assert run_command("plan", qwen3_8b_world + ["--json", "model.anchors_per_batch=512",
+                                               "model.max_block_tokens_per_batch=null"]) == 0
+    thin = json.loads(capsys.readouterr().out)
+    assert thin["block_tokens_per_token"] < plan["block_tokens_per_token"] / 5
 
 
-def test_plan_warns_when_a_share_of_the_gpu_is_too_small(qwen3_8b_world, capsys):
-    assert run_command("plan", qwen3_8b_world + ["cluster.device_memory_gb=30"]) == 0  # drafter ~39 GiB
-    lines = capsys.readouterr().out.splitlines()
-    warnings = [x for x in lines if x.startswith("WARNING")]
-    assert len(warnings) == 1 and "the drafter step needs" in warnings[0] and "train.recompute_layers" in warnings[0]
+def _drafter_peak(world, capsys, *extra) -> float:
+    assert run_command("plan", world + ["--json", *extra]) == 0
+    return json.loads(capsys.readouterr().out)["memory"]["drafter"]["total"]
+
+
+def test_the_warning_line_falls_exactly_where_the_step_stops_fitting(qwen3_8b_world, capsys):
+    need_gib = _drafter_peak(qwen3_8b_world, capsys) / GIB
+    # device memory just above the worst batch's peak: no warning; just below: one, for the drafter only
+    # (the target actor's ~18 GiB fits both)
+    for memory, warned in ((need_gib * 1.01, False), (need_gib * 0.99, True)):
+        assert run_command("plan", qwen3_8b_world + [f"cluster.device_memory_gb={memory}"]) == 0
+        warnings = [x for x in capsys.readouterr().out.splitlines() if x.startswith("WARNING")]
+        assert len(warnings) == int(warned)
+        if warned:
+            assert "the drafter step needs" in warnings[0] and "max_block_tokens_per_batch" in warnings[0]
+
+
+def test_the_gpu_constants_match_every_peak_the_h200_measured():
+    """Within 20% of each drafter step's peak CUDA memory in the H200 results (the issue's bar; the two
+    constants were fitted to these points, so this guards them against drift, not the fit's quality on
+    shapes it has not seen)."""
+    from pathlib import Path
+
+    results = json.loads((Path(__file__).resolve().parents[1] / "benchmarks" / "results"
+                          / "gpu_check_h200_2026-11-29.json").read_text())
+    runs = [results[k] for k in ("drafter_step", "bucket_smallest", "bucket_largest")]
+    for r in runs:
+        model = drafter_step_memory(Shape.of(QWEN3_8B), draft_layers=5, taps=5, block_tokens=r["blocks"] * 16,
+                                    context_tokens=r["batch"] * r["context"], gpu=True, frozen_bytes=2)
+        assert abs(model["total"] / GIB / r["peak_memory_gib"] - 1) < 0.2, (r, model["total"] / GIB)
+    # and the CPU's constants are not the GPU's: the eager fp32 step keeps ~4x the bytes per activation
+    kw = dict(draft_layers=5, taps=5, block_tokens=8192, context_tokens=3072, frozen_bytes=2)
+    cpu = drafter_step_memory(Shape.of(QWEN3_8B), gpu=False, **kw)["activations"]
+    gpu = drafter_step_memory(Shape.of(QWEN3_8B), gpu=True, **kw)["activations"]
+    assert 3 < cpu / gpu < 5
 
 
 def test_moe_targets_count_their_experts_and_the_drafter_its_own_sizes():

@@ -10,6 +10,12 @@ The target's forward costs more per token for long rows (causal attention grows 
 of L padded tokens costs L * (1 + L / La), and a batch takes the row count whose cost is nearest to a
 full batch of the shortest bucket's rows (never more than the token budget allows), so batches of every
 bucket keep the target actors about equally busy.
+
+The drafter has a budget too (max_anchors: its trained anchors per batch, i.e. block tokens / block size):
+a row trains min(num_anchors, its valid anchors), so a batch of short, dense rows carries many more blocks
+per context token than one of long rows. With `row_anchors` and `max_anchors` given, the cut also closes a
+batch before its rows' anchors pass max_anchors (a batch keeps at least one row), so every batch costs the
+drafter at most the same, at the recipe's full density; short-row batches get fewer rows instead.
 """
 from __future__ import annotations
 
@@ -82,7 +88,8 @@ def rows_per_batch(longest: np.ndarray, max_tokens: int, boundaries, attention_t
 
 
 def form_batches(length: np.ndarray, bucket: np.ndarray, boundaries, max_tokens: int,
-                 chunk_batches: int, rng: np.random.Generator, attention_tokens: float | None = None) -> Batches:
+                 chunk_batches: int, rng: np.random.Generator, attention_tokens: float | None = None,
+                 row_anchors: np.ndarray | None = None, max_anchors: int | None = None) -> Batches:
     bounds = np.asarray(boundaries, dtype=np.int64)
     k = bounds.size
     dropped = bucket < 0
@@ -115,12 +122,22 @@ def form_batches(length: np.ndarray, bucket: np.ndarray, boundaries, max_tokens:
         seg_key = b[order] * (int(nchunks.max()) + 1) + chunk[order]
     seg_start = np.flatnonzero(np.concatenate([[True], seg_key[1:] != seg_key[:-1]]))
     seg_end = np.append(seg_start[1:], n)
-    # greedy cut, all segments at once: a batch starting at i takes rows_per_batch(len[i]) rows (its longest)
+    if max_anchors is not None:
+        # anchors before each sorted position: a batch from i may run to the last j with csum[j] - csum[i]
+        # <= max_anchors (searchsorted on the non-decreasing prefix sums)
+        a = np.asarray(row_anchors, dtype=np.int64)
+        csum = np.concatenate([[0], np.cumsum((a if keep is None else a[keep])[order])])
+    # greedy cut, all segments at once: a batch starting at i takes rows_per_batch(len[i]) rows (its longest),
+    # fewer when their anchors would pass the drafter's budget
     starts = []
     cur, end = seg_start, seg_end
     while cur.size:
         starts.append(cur)
-        nxt = np.minimum(cur + rows_per_batch(sorted_len[cur], max_tokens, bounds, attention_tokens), end)
+        take = rows_per_batch(sorted_len[cur], max_tokens, bounds, attention_tokens)
+        if max_anchors is not None:
+            fit = np.searchsorted(csum, csum[cur] + max_anchors, side="right") - 1 - cur
+            take = np.minimum(take, np.maximum(fit, 1))
+        nxt = np.minimum(cur + take, end)
         live = nxt < end
         cur, end = nxt[live], end[live]
     start = np.sort(np.concatenate(starts)) if starts else np.zeros(0, dtype=np.int64)

@@ -5,11 +5,14 @@ Ray Data stream, a resume, the `plan` command) calls `build_plan` with the same 
 plan, on any machine, before or after a restart. No torch here.
 
 A batch has two budgets. The target's: rows x longest row <= max_tokens_per_batch (weighted by the
-attention term, buckets.rows_per_batch), enforced here by the cut. The drafter's: anchors_per_batch
-blocks of block_size tokens, enforced at the step (drafter.anchor_quota spreads them over the rows in
-proportion to their valid anchors). The plan knows each sample's supervised tokens (shards from
-`prepare`), so it reports how full both budgets are per bucket and drops samples that cannot hold an
-anchor (fewer than two supervised tokens), counted.
+attention term, buckets.rows_per_batch), enforced here by the cut. The drafter's: the block tokens it
+trains (anchors x block_size). Each row trains min(num_anchors, its valid anchors) — the recipe's density —
+and `max_block_tokens_per_batch` bounds their sum per batch, also enforced here by the cut (short-row
+batches get fewer rows), so the drafter's memory and step time stay flat at full density. Thinning
+(`anchors_per_batch`: fewer anchors than the rows hold, shared out by drafter.anchor_quota at the step)
+is a separate, explicit choice. The plan knows each sample's supervised tokens (shards from `prepare`),
+so it reports both budgets' work per bucket in their own units (context tokens, block tokens, the anchor
+density) and drops samples that cannot hold an anchor (fewer than two supervised tokens), counted.
 """
 from __future__ import annotations
 
@@ -35,7 +38,14 @@ class PlanSpec:
     attention_tokens: float | None = None   # La of buckets.rows_per_batch; None: token budget only
     block_size: int = 16                    # the drafter's side of a batch (reported; the step enforces it)
     num_anchors: int | None = None          # anchors per row at most
-    anchors_per_batch: int | None = None    # anchors per batch at most (None: num_anchors per row only)
+    anchors_per_batch: int | None = None    # thinning: anchors per batch at most (None: num_anchors per row only)
+    max_block_tokens_per_batch: int | None = None  # the drafter's budget per batch, cut by the plan (None: none)
+
+    def batch_anchor_cap(self) -> int | None:
+        """Anchors a batch trains at most: the thinning cap and the drafter's budget, whichever is lower (a
+        single row with more valid anchors than the budget is thinned to it, the only case the cut cannot
+        keep whole). The step's drafter.anchor_quota takes the same cap (runtime/spec.py)."""
+        return batch_anchor_cap(self.anchors_per_batch, self.max_block_tokens_per_batch, self.block_size)
 
     def validate(self) -> None:
         """The rules between the plan's keys (config.py checks them at compose time through here; the
@@ -43,6 +53,9 @@ class PlanSpec:
         b = list(self.boundaries)
         if not b or any(x <= 0 for x in b) or any(y <= x for x, y in zip(b, b[1:])):
             raise UserError(f"config key 'data.bucket_boundaries': must be positive and ascending, got {b}")
+        if self.max_block_tokens_per_batch is not None and self.max_block_tokens_per_batch < self.block_size:
+            raise UserError(f"config key 'model.max_block_tokens_per_batch': {self.max_block_tokens_per_batch} is "
+                            f"smaller than one block (model.block_size {self.block_size})")
         if self.max_tokens_per_batch < b[-1]:
             raise UserError(
                 f"config key 'data.max_tokens_per_batch': {self.max_tokens_per_batch} is smaller than the last "
@@ -63,9 +76,18 @@ class PlanSpec:
             block_size=m.block_size,
             num_anchors=m.num_anchors,
             anchors_per_batch=m.anchors_per_batch,
+            max_block_tokens_per_batch=m.max_block_tokens_per_batch,
         )
         plan_spec.validate()
         return plan_spec
+
+
+def batch_anchor_cap(anchors_per_batch: int | None, max_block_tokens_per_batch: int | None,
+                     block_size: int) -> int | None:
+    caps = [c for c in (anchors_per_batch,
+                        None if max_block_tokens_per_batch is None else max_block_tokens_per_batch // block_size)
+            if c is not None]
+    return min(caps) if caps else None
 
 
 def attention_tokens_of(target: dict) -> float | None:
@@ -163,7 +185,7 @@ class Plan:
         wanted = csum[self.offsets[1:]] - csum[self.offsets[:-1]]
         vsum = np.concatenate([[0], np.cumsum(valid)])
         total = vsum[self.offsets[1:]] - vsum[self.offsets[:-1]]
-        cap = self.plan_spec.anchors_per_batch
+        cap = self.plan_spec.batch_anchor_cap()
         return (wanted if cap is None else np.minimum(wanted, cap)), total
 
     def to_arrow(self, start: int = 0) -> pa.Table:
@@ -185,6 +207,7 @@ class Plan:
         padded = self.padded_tokens()
         cost = self.target_cost()
         trained, valid = self.drafter_anchors()
+        cap = ps.batch_anchor_cap()
         lower = [0] + list(ps.boundaries[:-1])
         rows = []
         n = max(self.num_batches, 1)
@@ -212,8 +235,12 @@ class Plan:
                 # share of anchors_per_batch, and of the batch's valid anchors (anchor density)
                 "anchors_per_batch": mean(trained.astype(np.float64), sel),
                 "block_tokens_per_batch": mean(trained.astype(np.float64) * ps.block_size, sel),
-                "drafter_fill": mean(trained / ps.anchors_per_batch, sel) if ps.anchors_per_batch else None,
+                "drafter_fill": mean(trained / cap, sel) if cap else None,
                 "anchor_density": float(trained[sel].sum() / max(valid[sel].sum(), 1)) if sel.any() else None,
+                # the drafter's work per context token the target computes (the unit that makes trainers'
+                # throughputs comparable: SpecForge's recipe trains min(512, valid) anchors a row)
+                "block_tokens_per_token": float(trained[sel].sum() * ps.block_size / max(tokens[sel].sum(), 1))
+                if sel.any() else None,
             })
         used = [r for r in rows if r["batches"]]
 
@@ -233,7 +260,12 @@ class Plan:
             "max_tokens_per_batch": ps.max_tokens_per_batch,
             "attention_tokens": ps.attention_tokens,
             "anchors_per_batch": ps.anchors_per_batch,
+            "max_block_tokens_per_batch": ps.max_block_tokens_per_batch,
+            "num_anchors": ps.num_anchors,
             "block_size": ps.block_size,
+            "block_tokens": int(trained.sum()) * ps.block_size,
+            "block_tokens_per_token": float(trained.sum() * ps.block_size / max(tokens.sum(), 1)),
+            "anchor_density": float(trained.sum() / max(valid.sum(), 1)),
             "target_cost_max_over_min": spread("target_cost"),
             "drafter_block_tokens_max_over_min": spread("block_tokens_per_batch"),
             "buckets": rows,
@@ -259,8 +291,12 @@ def build_plan(sample_ids, num_tokens, plan_spec: PlanSpec, *, num_supervised=No
     # valid anchors (at most): supervised tokens after truncation, less one
     anchors = np.maximum(np.minimum(sup, bk.length) - 1, 0)
     rng = np.random.default_rng([int(seed), int(epoch), 1000])  # its own stream: interleave salts are 0..4
+    budget = plan_spec.max_block_tokens_per_batch
+    per_row = anchors if plan_spec.num_anchors is None else np.minimum(anchors, plan_spec.num_anchors)
     batches = form_batches(bk.length, bk.bucket, plan_spec.boundaries, plan_spec.max_tokens_per_batch,
-                           plan_spec.chunk_batches, rng, attention_tokens=plan_spec.attention_tokens)
+                           plan_spec.chunk_batches, rng, attention_tokens=plan_spec.attention_tokens,
+                           row_anchors=None if budget is None else per_row,
+                           max_anchors=None if budget is None else budget // plan_spec.block_size)
     if batches.bucket.size == 0:
         raise UserError(f"no samples left to plan: {sample_ids.size} in, {bk.dropped_short} shorter than "
                         f"{plan_spec.min_tokens} tokens (2 x block_size), {bk.dropped_overlong} over the last "

@@ -35,29 +35,43 @@ def format_plan(s: dict) -> str:
              f"{s['batches']} batches, {s['tokens']} tokens",
              f"budgets per batch: target {s['max_tokens_per_batch']} padded tokens"
              + (f" (rows weighted by attention: a row of L tokens costs L x (1 + L / {la:,.0f}))" if la else "")
-             + f"; drafter {num(s['anchors_per_batch'], 'd') if s['anchors_per_batch'] else 'no'} anchors"
-             + (f" x block {s['block_size']} = {s['anchors_per_batch'] * s['block_size']} block tokens"
-                if s["anchors_per_batch"] else " bound beyond num_anchors per row")]
+             + f"; drafter {drafter_budget(s)}"]
     c = s["samples"]
     lines.append(f"samples: {c['in']} in, {c['kept']} planned, {c['truncated']} truncated, "
                  f"{c['dropped_overlong']} dropped (over the last boundary), {c['dropped_too_short']} dropped "
                  f"(too short), {c.get('dropped_unsupervised', 0)} dropped (fewer than 2 supervised tokens)")
     lines.append(f"{'bucket':>6} {'tokens/sample':>13} {'samples':>9} {'batches':>8} {'tokens':>12} {'share':>7} "
                  f"{'padding eff':>11} | {'rows':>5} {'target fill':>11} {'target cost':>11} | "
-                 f"{'anchors':>7} {'block tokens':>12} {'drafter fill':>12} {'density':>7}")
+                 f"{'anchors':>7} {'block tokens':>12} {'drafter fill':>12} {'density':>7} {'blk/ctx':>7}")
     for r in s["buckets"]:
         lines.append(f"{r['bucket']:>6} {r['range']:>13} {r['samples']:>9} {r['batches']:>8} {r['tokens']:>12} "
                      f"{100 * r['share']:>6.1f}% {num(r['padding_efficiency'], '.3f'):>11} | "
                      f"{num(r['rows_per_batch'], '.1f'):>5} {num(r['target_fill'], '.3f'):>11} "
                      f"{num(r['target_cost'], '.3f'):>11} | {num(r['anchors_per_batch'], '.0f'):>7} "
                      f"{num(r['block_tokens_per_batch'], '.0f'):>12} {num(r['drafter_fill'], '.3f'):>12} "
-                     f"{num(r['anchor_density'], '.3f'):>7}")
+                     f"{num(r['anchor_density'], '.3f'):>7} {num(r['block_tokens_per_token'], '.2f'):>7}")
     lines.append(f"padding efficiency (real / padded batch tokens): {s['padding_efficiency']:.4f}")
     lines.append(f"per-batch work, max/min over buckets: target {num(s['target_cost_max_over_min'], '.2f')} "
                  f"(target cost: relative to the mean batch), drafter {num(s['drafter_block_tokens_max_over_min'], '.2f')} "
-                 f"(block tokens); density = anchors trained / valid anchors (supervised tokens - 1)")
+                 f"(block tokens); density = anchors trained / valid anchors (supervised tokens - 1, at most "
+                 f"{s['num_anchors']} a row); blk/ctx = block tokens trained per context token")
+    lines.append(f"drafter work: {s['block_tokens']:,} block tokens for {s['tokens']:,} context tokens = "
+                 f"{s['block_tokens_per_token']:.2f} block tokens per context token, anchor density "
+                 f"{s['anchor_density']:.3f}")
     lines.append(format_measures(s["order"]))
     return "\n".join(lines)
+
+
+def drafter_budget(s: dict) -> str:
+    """The drafter's side of a batch in words: the plan's block-token budget, the thinning cap, or none."""
+    parts = []
+    if s.get("max_block_tokens_per_batch"):
+        parts.append(f"{s['max_block_tokens_per_batch']:,} block tokens (every valid anchor up to "
+                     f"{s['num_anchors']} a row; short rows: fewer rows a batch)")
+    if s["anchors_per_batch"]:
+        parts.append(f"thinned to {s['anchors_per_batch']} anchors x block {s['block_size']} = "
+                     f"{s['anchors_per_batch'] * s['block_size']:,} block tokens (model.anchors_per_batch)")
+    return "; ".join(parts) if parts else f"no bound beyond {s['num_anchors']} anchors a row"
 
 
 def compare_table(measures: dict) -> str:

@@ -20,7 +20,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from dflash_ray.config import ClusterConfig, TrainConfig, require
-from dflash_ray.data.plan import Plan, PlanSpec, build_plan
+from dflash_ray.data.plan import Plan, PlanSpec, batch_anchor_cap, build_plan
 from dflash_ray.errors import UserError
 from dflash_ray.model.drafter import DrafterConfig
 from dflash_ray.runtime.record.layout import RunLayout
@@ -176,7 +176,9 @@ def resolve_spec(cfg, log=print, *, inputs: bool = True, record: bool = True) ->
                             num_anchors=m.num_anchors, target_layer_ids=tuple(layer_ids),
                             loss_gamma=None if m.loss_gamma is None else m.loss_gamma,
                             mask_token_id=int(mask_id),
-                            anchors_per_batch=None if m.anchors_per_batch is None else m.anchors_per_batch,
+                            # the step's per-batch cap is the plan's (thinning or the block-token budget)
+                            anchors_per_batch=batch_anchor_cap(m.anchors_per_batch, m.max_block_tokens_per_batch,
+                                                               m.block_size),
                             intermediate_size=_opt_int(m.drafter_intermediate_size),
                             num_attention_heads=_opt_int(m.drafter_num_attention_heads),
                             num_key_value_heads=_opt_int(m.drafter_num_key_value_heads))

@@ -12,12 +12,19 @@ No torch here: `dflash-ray plan` prints it before anything is loaded. The drafte
 (q = heads x head_dim, kv = kv_heads x head_dim, I = intermediate size) — counted from the tensors the
 layer code keeps for backward (model/layers.py: two RMSNorms keep input and output, q/k norms and RoPE
 keep three copies, the K/V concatenations, attention output and its reshaped copy, the SwiGLU's four
-intermediate tensors). Backward allocates the gradient of the activations it walks through on top, so the
-activation term is multiplied by BACKWARD_FACTOR, measured by benchmarks/bench_step_memory.py at a scaled
-Qwen3-8B shape on the CPU (where every activation is fp32). The CPU's SDPA kernel also takes a dense
-mask, rows x queries x keys booleans, and makes a float copy of it (5 bytes per pair); the GPU's flex
-attention uses a block mask instead (no dense term). On a GPU under bf16 autocast the linear
-layers' outputs are bf16 and the norms fp32: ACT_BYTES_AUTOCAST is the mean element size of that mix.
+intermediate tensors). Those counts are elements; what an element costs at the peak (its own bytes, and the
+gradient backward allocates on top) depends on the device kind, so each kind has its constants, measured:
+
+  CPU, fp32 (eager): 4 bytes an element x BACKWARD 1.45 (benchmarks/bench_step_memory.py, a scaled
+    Qwen3-8B shape, six buckets: 1.44-1.53); the CPU's SDPA also takes a dense mask, rows x queries x keys
+    booleans, and makes a float copy of it (5 bytes a pair).
+  CUDA, bf16 autocast, compiled layers: bytes per block-token element and per context-token element
+    fitted to the H200's peaks (benchmarks/results/gpu_check_h200_2026-11-29.json: 8,192 block tokens
+    with 3,072 and with 16,384 context tokens; the compiled layers keep far fewer tensors than eager code,
+    1.37 bytes per counted block element against the 4.35 of 3 bytes x 1.45). Flex attention's block
+    mask: no dense term. Recompute (train.recompute_layers) has not been measured on a GPU: the same
+    constants are applied to what it keeps.
+
 With activation checkpointing of the drafter layers, each layer keeps only its input, and one layer's
 activations exist at a time (recomputed in backward).
 """
@@ -29,8 +36,25 @@ from dataclasses import dataclass
 import numpy as np
 
 GIB = 1024 ** 3
-BACKWARD_FACTOR = 1.45         # measured: 1.44-1.53 at the scaled shape (bench_step_memory.py, 6 buckets)
-ACT_BYTES_AUTOCAST = 3.0       # bf16 matmul outputs (2 bytes), fp32 norm internals (4 bytes): about half each
+
+
+@dataclass(frozen=True)
+class DeviceKind:
+    """What an activation element costs at a step's peak on one kind of device (saved + its gradient)."""
+    name: str
+    block_bytes: float       # per counted element of a block token's activations
+    context_bytes: float     # per counted element of a context token's (K/V, fc, the features' masked copy)
+    feature_bytes: int       # the features as they arrive
+    dense_mask: bool         # the attention kernel materialises rows x queries x keys
+
+
+CPU_FP32 = DeviceKind("CPU, fp32", block_bytes=4 * 1.45, context_bytes=4 * 1.45, feature_bytes=4, dense_mask=True)
+CUDA_BF16 = DeviceKind("GPU, bf16 autocast, compiled layers", block_bytes=1.37, context_bytes=2.56, feature_bytes=2,
+                       dense_mask=False)
+
+
+def device_kind(gpu: bool) -> DeviceKind:
+    return CUDA_BF16 if gpu else CPU_FP32
 
 
 def text_config(config):
@@ -108,20 +132,21 @@ def drafter_step_memory(shape: Shape, *, draft_layers: int, taps: int, block_tok
                         ce_chunk_rows: int = 1024, optimizer: bool = True) -> dict:
     """Bytes of each part of one drafter training step's peak, and their total."""
     h = shape.hidden
-    act = ACT_BYTES_AUTOCAST if gpu else 4.0
-    feat = 2 if gpu else 4                          # features arrive bf16 on a GPU, fp32 on the CPU
+    kind = device_kind(gpu)
     per_block_layer = 4 * h + 6 * shape.q + 5 * shape.kv + 4 * shape.intermediate
     per_ctx_layer = 5 * shape.kv
     # outside the layers: block embedding, final norm (2H) and the loss's saved gradient rows (H);
     # context: the masked copy of the features (taps x H, as they arrive), fc's output and its norm (2H)
     block_once = 4 * h
-    ctx_once_elems = 2 * h
+    ctx_once = 2 * h + taps * h
     if recompute_layers:   # each layer keeps its input (block tokens x H); one layer recomputed at a time
-        layers_bytes = act * (block_tokens * (draft_layers * h + per_block_layer) + context_tokens * per_ctx_layer)
+        block_elems = block_tokens * (draft_layers * h + per_block_layer + block_once)
+        ctx_elems = context_tokens * (per_ctx_layer + ctx_once)
     else:
-        layers_bytes = act * draft_layers * (block_tokens * per_block_layer + context_tokens * per_ctx_layer)
-    activations = BACKWARD_FACTOR * (layers_bytes + act * (block_tokens * block_once + context_tokens * ctx_once_elems)
-                                     + context_tokens * taps * h * feat)
+        block_elems = block_tokens * (draft_layers * per_block_layer + block_once)
+        ctx_elems = context_tokens * (draft_layers * per_ctx_layer + ctx_once)
+    activations = kind.block_bytes * block_elems + kind.context_bytes * ctx_elems
+    feat = kind.feature_bytes
     params = drafter_params(shape, draft_layers, taps)
     parts = {
         "weights": 4 * params,
@@ -131,7 +156,7 @@ def drafter_step_memory(shape: Shape, *, draft_layers: int, taps: int, block_tok
         "context_features": context_tokens * taps * h * feat,
         "activations": activations,
         "loss_chunk": min(ce_chunk_rows, max(block_tokens, 1)) * shape.vocab * (4 + (2 if gpu else 0)),
-        "dense_mask": 0 if gpu else 5 * mask_pairs,
+        "dense_mask": 5 * mask_pairs if kind.dense_mask else 0,
     }
     parts["total"] = sum(parts.values())
     return parts
@@ -171,7 +196,7 @@ def memory_report(plan, target: dict, *, draft_layers: int, layer_ids: list[int]
                  if (plan.bucket == b).any()]
     target_mem = target_actor_memory(target_shape, last_tap=max(layer_ids), taps=taps,
                                      tokens=int(plan.padded_tokens().max()), weight_bytes=2 if use_gpu else 4)
-    where = "GPU, bf16 autocast" if use_gpu else "CPU, fp32"
+    where = device_kind(use_gpu).name
     g = lambda b: f"{b / GIB:,.2f} GiB" if b >= GIB / 2 else f"{b / 2 ** 20:,.1f} MiB"  # noqa: E731
     text = [f"memory model ({where}; sizing/memory.py): drafter step, worst batch (bucket {int(plan.bucket[worst])}: "
             f"{int(trained[worst])} anchors x block {block}, {int(plan.padded_tokens()[worst]):,} context tokens) "
@@ -187,7 +212,7 @@ def memory_report(plan, target: dict, *, draft_layers: int, layer_ids: list[int]
     if use_gpu:
         for name, need, share, hint in (
                 ("drafter step", drafter["total"], drafter_share,
-                 "lower model.anchors_per_batch or data.max_tokens_per_batch, or set train.recompute_layers=true"),
+                 "lower model.max_block_tokens_per_batch or data.max_tokens_per_batch, or set train.recompute_layers=true"),
                 ("target actor", target_mem["total"], target_share,
                  "lower data.max_tokens_per_batch or give it more of a GPU (cluster.target_gpus)")):
             have = device_memory_gib * share * GIB
