@@ -188,23 +188,23 @@ def test_plan_command_figures_match_a_plan_made_by_hand(tmp_path, capsys):
     out = capsys.readouterr().out
     lines = out.splitlines()
     assert lines[0] == "epoch 0 plan (seed 0, strategy default): 5 batches, 874 tokens"
-    assert lines[1] == ("budgets per batch: target 256 padded tokens; drafter no anchors bound beyond "
-                        "num_anchors per row")
+    assert lines[1] == "budgets per batch: target 256 padded tokens; drafter no bound beyond 64 anchors a row"
     assert lines[2] == ("samples: 16 in, 14 planned, 1 truncated, 0 dropped (over the last boundary), "
                         "2 dropped (too short), 0 dropped (fewer than 2 supervised tokens)")
     # bucket, range, samples, batches, tokens, share of batches, padding efficiency (300/388, 574/596) |
     # rows, target fill (padded / 256), target cost (padded / the mean batch's 984 / 5) |
     # anchors (no supervised counts in these shards: every token; min(64, length - 1) per row), block
-    # tokens (x 8), drafter fill (no anchors_per_batch), density (anchors trained / valid anchors)
+    # tokens (x 8), drafter fill (no anchors_per_batch), density (anchors trained / valid anchors), block
+    # tokens per context token (bucket 0: 2 x 1168 / 300 = 7.79; bucket 1: 3 x 1024 / 574 = 5.35)
     #   bucket 0: [63 59 49 39] = 210, [32 19 16 15] = 82 -> 146, all valid ones; padded 256, 132
     #   bucket 1: valid [127 119], [99 89], [69 65] (568), each row capped at 64 -> 128 per batch,
     #             density 384 / 568 = 0.676; padded 256, 200, 140
     bar = lines[4].split("|")
     assert bar[0].split() == ["0", "1-64", "8", "2", "300", "40.0%", "0.773"]
-    assert bar[1].split() == ["4.0", "0.758", "0.986"] and bar[2].split() == ["146", "1168", "-", "1.000"]
+    assert bar[1].split() == ["4.0", "0.758", "0.986"] and bar[2].split() == ["146", "1168", "-", "1.000", "7.79"]
     bar = lines[5].split("|")
     assert bar[0].split() == ["1", "65-128", "6", "3", "574", "60.0%", "0.963"]
-    assert bar[1].split() == ["2.0", "0.776", "1.009"] and bar[2].split() == ["128", "1024", "-", "0.676"]
+    assert bar[1].split() == ["2.0", "0.776", "1.009"] and bar[2].split() == ["128", "1024", "-", "0.676", "5.35"]
     assert lines[6] == "padding efficiency (real / padded batch tokens): 0.8882"  # 874 / 984
     # 2 batches of bucket 0 and 3 of bucket 1 with no bucket twice in a row: only 1 0 1 0 1. Quarters of
     # 5 positions are [0,1) [1,2) [2,4) [4,5): [1] [0] [1 0] [1], the worst 60 pp off the 0.4/0.6 shares

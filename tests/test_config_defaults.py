@@ -90,7 +90,8 @@ DEMO_BUCKETS = [96, 128, 192, 256, 384, 512]
      {"data.shard_size": 10000, "data.bucket_boundaries": SEED_BUCKETS, "data.max_tokens_per_batch": 16384,
       "data.synthetic.num_conversations": 0, "data.synthetic.regenerate": False, "data.prompts": None,
       "model.name": "qwen3_8b", "model.num_draft_layers": 5, "model.block_size": 16, "model.num_anchors": 512,
-      "model.anchors_per_batch": 512, "model.target_config.hidden_size": 4096,
+      "model.anchors_per_batch": None, "model.max_block_tokens_per_batch": 16384,
+      "model.target_config.hidden_size": 4096,
       "model.target_config.num_hidden_layers": 36, "model.target_config.head_dim": 128, "train.epochs": 6, "train.lr": 6e-4,
       "train.checkpoint_every": None, "cluster.max_batches_in_flight": 16}),
     # keys the options leave out are still set and deleted as before (`~key`: the schema's default)

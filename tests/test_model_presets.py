@@ -45,8 +45,10 @@ FAMILIES = {"qwen3_moe": TINY_MOE, "llama": TINY_LLAMA}
 
 
 # ----------------------------------------------------------------------------- presets
-# The recipe's drafter and schedule, from the issue (not read from the preset files).
-RECIPE = dict(num_draft_layers=5, block_size=16, num_anchors=512, anchors_per_batch=512)
+# The recipe's drafter and schedule, from the issues (not read from the preset files): every valid anchor up
+# to 512 a row (no thinning), the drafter's memory bounded by the plan's block-token budget instead.
+RECIPE = dict(num_draft_layers=5, block_size=16, num_anchors=512, anchors_per_batch=None,
+              max_block_tokens_per_batch=16384)
 
 
 @pytest.mark.parametrize("preset", ["qwen3_8b", "llama3_8b", "qwen3_30b_a3b"])
