@@ -534,8 +534,10 @@ def train_command(cfg, args) -> int:
         return 0
     led = summary["ledger"]
     loss = "-" if summary["final_loss"] is None else f"{summary['final_loss']:.4f}"
+    density = summary.get("block_tokens_per_token")
     print(f"trained {summary['steps']} steps, {summary['tokens']} tokens at "
-          f"{summary['tokens_per_second']:.0f} tokens/s; final loss {loss}; "
+          f"{summary['tokens_per_second']:.0f} tokens/s ({summary.get('block_tokens_per_second', 0):.0f} block tokens/s"
+          + (f", {density:.2f} block tokens per context token" if density else "") + f"); final loss {loss}; "
           f"failures survived: {summary['failures_survived']}; ledger "
           f"{'exactly-once' if led['ok'] else 'NOT OK: ' + json.dumps(led)}")
     busy = summary.get("target_busy_by_bucket") or []

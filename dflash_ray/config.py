@@ -126,8 +126,10 @@ class ClusterConfig:
     token_cache_mb: float = 256.0    # blocks each join process keeps (LRU)
     stream_block_mb: float = 32.0    # Ray Data blocks of the stream: as many plan batches as fit (0: one a block)
     device_memory_gb: float = 139.0  # GiB per GPU, as torch.cuda reports it (H200: ~139); the memory model's bound
-    target_tokens_per_gpu: Optional[float] = None   # measured target tokens/s per device, for the capacity model (plan)
-    drafter_tokens_per_gpu: Optional[float] = None  # ... drafter tokens/s (null: a measured run's summary, else the seed run)
+    # measured rates for the capacity model (plan), each side in its unit (null: a measured run's summary, else
+    # the seed run): the target's context tokens/s per device, the drafter's trained block tokens/s per device
+    target_tokens_per_gpu: Optional[float] = None
+    drafter_block_tokens_per_gpu: Optional[float] = None
 
 
 @dataclass
@@ -238,7 +240,9 @@ def _flat_keys(cfg: Any, prefix: str = "") -> List[str]:
 
 # keys renamed, with their new names: an old config gets the new name in its error line
 RENAMED = {"train.checkpoint_layers": "train.recompute_layers",        # activation recompute, not checkpoints
-           "train.stream_window_rows": "train.stream_segment_rows"}    # "window" is the flight window's word
+           "train.stream_window_rows": "train.stream_segment_rows",    # "window" is the flight window's word
+           # the drafter's rate is in its own unit now (context tokens/s depends on the plan's density)
+           "cluster.drafter_tokens_per_gpu": "cluster.drafter_block_tokens_per_gpu"}
 
 
 def _closest(key: str, known: List[str]) -> str:

@@ -87,6 +87,13 @@ def test_step_update_is_global_loss_sum_over_global_weight_sum(drafter_and_width
     blocks = sum(int(p.num_blocks) for p in parts)
     assert result.train_tau == pytest.approx(1 + sum(float(p.prefix_correct.sum()) for p in parts) / blocks)
     assert result.batch_tokens == [12, 6 * 48] and result.tokens == 12 + 6 * 48
+    # the drafter's unit: the anchors the sampler draws for each batch (same generators) x block size
+    anchors = 0
+    for row in (small, large):
+        ids, mask, ctx, lengths = row.tensors("cpu")
+        _, valid = ref.sample_anchors(mask, lengths, torch.Generator().manual_seed(batch_seed(0, row.epoch, row.position)))
+        anchors += int(valid.sum())
+    assert anchors > 0 and result.block_tokens == anchors * base.block_size
 
 
 def test_filler_last_micro_step_trains_nothing(drafter_and_width):

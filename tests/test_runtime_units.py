@@ -11,7 +11,9 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
+from dflash_ray.config import compose_config
 from dflash_ray.data.plan import PlanSpec, build_plan
+from dflash_ray.errors import UserError
 from dflash_ray.sizing.capacity import best_split, capacity_report
 from dflash_ray.runtime.stream.feed import FILLER, Cursor, build_feed, cursor_after, rank_rows
 from dflash_ray.runtime.record.ledger import read_jsonl, rewrite_jsonl, rollback, verify_ledger
@@ -194,13 +196,29 @@ def test_capacity_model_balances_the_pipeline():
     r = best_split(8, target_rate=12000.0, drafter_rate=4000.0)
     assert (r["best"]["target"], r["best"]["drafter"]) == (2, 6)
     assert all(s["tokens_per_second"] <= r["best"]["tokens_per_second"] for s in r["splits"])
-    cluster = _Node(name="8gpu", use_gpu=True, target_workers=6, drafter_workers=2,
-                    target_tokens_per_gpu=5000.0, drafter_tokens_per_gpu=10000.0)
+    # each side in its unit: target 5,000 context tokens/s, drafter 10,000 block tokens/s per GPU; at 4 block
+    # tokens per context token a drafter GPU keeps up with 2,500 context tokens/s. By hand, 8 GPUs:
+    #   configured 6 + 2: min(6 x 5000, 2 x 2500) = 5,000;  best split 3 + 5: min(15000, 12500) = 12,500
+    #   (2 + 6: min(10000, 15000) = 10,000);  colocated: 8 / (1/5000 + 1/2500) = 13,333 -> the best layout
+    cluster = _Node(name="8gpu", use_gpu=True, target_workers=6, drafter_workers=2, target_gpus=1.0, drafter_gpus=1.0,
+                    target_tokens_per_gpu=5000.0, drafter_block_tokens_per_gpu=10000.0)
     cfg = SimpleNamespace(cluster=cluster, run=SimpleNamespace(dir="/nonexistent"),
                           model=SimpleNamespace(num_draft_layers=5))
-    rep = capacity_report(cfg, {"tokens": 3_600_000})
-    assert rep["capacity"]["best"]["target"] == 5 and rep["capacity"]["configured"]["tokens_per_second"] == 20000
-    assert any("best split" in line and "5 target + 3 drafter" in line for line in rep["text"])
+    rep = capacity_report(cfg, {"tokens": 3_600_000, "block_tokens_per_token": 4.0})
+    cap = rep["capacity"]
+    assert cap["configured"]["tokens_per_second"] == 5000 and cap["drafter_tokens_per_gpu"] == 2500
+    assert (cap["best"]["target"], cap["best"]["drafter"], cap["best"]["tokens_per_second"]) == (3, 5, 12500)
+    assert cap["colocated"]["tokens_per_second"] == pytest.approx(8 / (1 / 5000 + 1 / 2500))
+    assert cap["best_layout"] == "colocated" and cap["block_tokens_per_second"] == pytest.approx(4 * 8 / 0.0006)
+    assert any("best split" in line and "3 target + 5 drafter" in line and "12,500 context tokens/s = 50,000 block"
+               in line for line in rep["text"])
+    # at the density of 512 anchors a 16K batch (0.56) the same GPUs lean the other way: the drafter keeps up
+    # with 17,857 context tokens/s a GPU, the best split is 6 + 2 (min(30000, 35714))
+    thin = capacity_report(cfg, {"tokens": 3_600_000, "block_tokens_per_token": 0.56})["capacity"]
+    assert (thin["best"]["target"], thin["best"]["drafter"]) == (6, 2) and thin["best"]["tokens_per_second"] == 30000
+    # the old key (context tokens/s of a drafter, meaningless without a density) is named with its successor
+    with pytest.raises(UserError, match="cluster.drafter_block_tokens_per_gpu"):
+        compose_config(["cluster.drafter_tokens_per_gpu=1000"])
 
 
 class _Node(dict):
@@ -214,10 +232,17 @@ def test_plan_command_prints_capacity(tmp_path, tiny_data, capsys):
     assert main(["plan", "cluster=8gpu", shards, f"run.dir={tmp_path}"]) == 0
     out = capsys.readouterr().out
     assert "capacity model (8gpu: 8 GPUs)" in out
-    # no measured rates: the seed run's (6 target + 2 drafter GPUs at 25,300 tokens/s, balanced) give
-    # T = 25300/6 and D = 25300/2 per GPU; min(t*T, (8-t)*D) peaks at t = 6 with 25,300 tokens/s
-    best = next(line for line in out.splitlines() if "best split" in line)
-    assert "6 target + 2 drafter" in best and "25300" in best.replace(",", "")
+    # no measured rates: the seed run's (6 target + 2 drafter GPUs at 25,300 context tokens/s, ~3.91 block
+    # tokens per context token, drafter-bound) give T = 25300/6 context and D = 25300 x 3.91 / 2 block tokens/s
+    # per GPU; this plan's density rho turns D into D / rho context tokens/s; min(t*T, (8-t)*D/rho) over t
+    assert main(["plan", "cluster=8gpu", shards, f"run.dir={tmp_path}", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    rho = out["block_tokens_per_token"]
+    t_rate, d_rate = 25300 / 6, 25300 * 3.91 / 2 / rho
+    by_hand = max(min(t * t_rate, (8 - t) * d_rate) for t in range(1, 8))
+    assert out["capacity"]["best"]["tokens_per_second"] == pytest.approx(by_hand)
+    assert out["capacity"]["colocated"]["tokens_per_second"] == pytest.approx(8 / (1 / t_rate + 1 / d_rate))
+    assert "seed-run estimate" in out["capacity"]["source"]
 
 
 def test_token_store_pads_and_truncates():
@@ -299,11 +324,13 @@ def test_the_record_writes_several_steps_in_one_call(ray_session, tmp_path):
     c = RunRecord(str(tmp_path), "blocks", 2)
     c.begin_attempt(0, 2, attempt=1, restarted=False)
     commits = [({"epoch": 0, "step": k, "positions": [2 * k - 2, 2 * k - 1], "buckets": [0, 0], "tokens": [5, 5]},
-                {"step": k, "epoch": 0, "loss": 1.0, "tokens": 10, "time": 1000.0 + k}) for k in (1, 2)]
+                {"step": k, "epoch": 0, "loss": 1.0, "tokens": 10, "block_tokens": 48, "time": 1000.0 + k})
+               for k in (1, 2)]
     c.commit_steps(c.gen, commits)
     assert [r["step"] for r in read_jsonl(tmp_path / "ledger.jsonl")] == [1, 2]
     assert [m["time"] for m in read_jsonl(tmp_path / "metrics.jsonl")] == [1001.0, 1002.0]   # when they ended
     assert [m["tokens_per_second"] for m in read_jsonl(tmp_path / "metrics.jsonl")] == [0.0, 10.0]   # 10 tokens in 1 s
+    assert [m["block_tokens_per_second"] for m in read_jsonl(tmp_path / "metrics.jsonl")] == [0.0, 48.0]
 
 
 def test_the_record_writes_ledger_metrics_and_tensorboard(ray_session, tmp_path):

@@ -64,7 +64,8 @@ class Progress:
         eta = (p["total_steps"] - p["step"]) / rate if rate > 0 else float("nan")
         loss = "-" if p["loss"] is None else f"{p['loss']:.4f}"
         tau = "" if p.get("heldout_tau") is None else f"  held-out tau {p['heldout_tau']:.2f}"
-        return (f"step {p['step']}/{p['total_steps']}  tokens/s {p['tokens_per_second']:.0f}  loss {loss}{tau}  "
+        return (f"step {p['step']}/{p['total_steps']}  tokens/s {p['tokens_per_second']:.0f} "
+                f"(block {p.get('block_tokens_per_second', 0.0):.0f})  loss {loss}{tau}  "
                 f"ETA {eta:.0f}s  failures survived {p['failures_survived']}")
 
     def _tqdm(self, bar, p):
@@ -75,7 +76,8 @@ class Progress:
         bar.total, bar.n = p["total_steps"], p["step"]
         loss = "-" if p["loss"] is None else f"{p['loss']:.4f}"
         tau = "" if p.get("heldout_tau") is None else f" tau={p['heldout_tau']:.2f}"
-        bar.set_postfix_str(f"tok/s={p['tokens_per_second']:.0f} loss={loss}{tau} failures={p['failures_survived']}",
+        bar.set_postfix_str(f"tok/s={p['tokens_per_second']:.0f} block={p.get('block_tokens_per_second', 0.0):.0f} "
+                            f"loss={loss}{tau} failures={p['failures_survived']}",
                             refresh=False)
         bar.refresh()
         return bar

@@ -1,13 +1,27 @@
-"""The capacity model: how to split N GPUs between target forwards and drafter training.
+"""The capacity model: how to lay N GPUs out between target forwards and drafter training.
 
-With T = target tokens/s per GPU (feature capture) and D = drafter tokens/s per GPU (training step), a
-split of t target and d = N - t drafter GPUs streams min(t*T, d*D) tokens/s: the pipeline runs at its
-slower side. The best split puts t near N*D/(T+D); we try every integer split and keep the best.
+Each side in its own unit. The target computes context tokens: T context tokens/s per GPU. The drafter
+trains anchor blocks: D block tokens/s per GPU (anchors x block size; its cost is in the block tokens, the
+context only feeds K/V). The plan says how many block tokens the drafter trains per context token (rho,
+the density: the recipe's every-valid-anchor gives ~3.9 on seed-shaped data, 512 anchors a 16K batch
+0.56), so a drafter GPU keeps up with D / rho context tokens/s. The order interleaves every bucket into
+every part of the epoch (and the flight window buffers batches), so the epoch's mean rho is what a
+pipeline sees; the plan prints it per bucket.
 
-Rates come from, in order: cluster.target_tokens_per_gpu / cluster.drafter_tokens_per_gpu when set;
+Two layouts, both reported:
+  split      t target + d = N - t drafter GPUs stream min(t*T, d*D/rho) context tokens/s; every integer
+             split is tried.
+  colocated  every GPU runs a target actor and a drafter worker (fractional shares: cluster.target_gpus
+             + cluster.drafter_gpus <= 1) and spends 1/T + rho/D seconds per context token on both: N /
+             (1/T + rho/D) context tokens/s. No split rounds a GPU away and no feature leaves its GPU's
+             node; what it does not count is the two processes' interference on one GPU (not measured).
+
+Rates come from, in order: cluster.target_tokens_per_gpu / cluster.drafter_block_tokens_per_gpu when set;
 else the `measured` block of <run.dir>/summary.json when that run trained the same model on the same
-kind of device; else the seed run's figures (8 GPUs, 6 target + 2 drafter, 25.3K tokens/s, assuming
-that split was balanced), labelled as such. `dflash-ray plan cluster=...` prints the report.
+kind of device; else the seed run's figures (8 GPUs, 6 target + 2 drafter, 25.3K context tokens/s at the
+recipe's density, ~3.91 block tokens per context token on its seed-shaped data: D = 49.5K block tokens/s,
+assuming its drafters were the bound; T = 25.3K / 6, a lower bound), labelled as such.
+`dflash-ray plan cluster=...` prints the report.
 """
 from __future__ import annotations
 
@@ -15,11 +29,12 @@ import json
 
 from dflash_ray.runtime.record.layout import RunLayout
 
-SEED_RUN = {"gpus": 8, "target": 6, "drafter": 2, "tokens_per_second": 25300.0}
+SEED_RUN = {"gpus": 8, "target": 6, "drafter": 2, "tokens_per_second": 25300.0, "block_tokens_per_token": 3.91}
 
 
 def best_split(n_gpus: int, target_rate: float, drafter_rate: float) -> dict:
-    """All splits t + d = n_gpus (t, d >= 1) with their throughput; the best first."""
+    """All splits t + d = n_gpus (t, d >= 1) with their throughput, both rates in context tokens/s per
+    GPU (the drafter's at the plan's density); the best first."""
     if n_gpus < 2:
         raise ValueError("need at least 2 devices (one target, one drafter)")
     splits = []
@@ -35,11 +50,21 @@ def best_split(n_gpus: int, target_rate: float, drafter_rate: float) -> dict:
     return {"best": best, "splits": splits}
 
 
+def colocated(n_gpus: int, target_rate: float, drafter_rate: float) -> dict:
+    """Every GPU runs both sides (rates in context tokens/s per GPU, as best_split): the GPU's time per
+    context token is the sum of both sides', and the target's share of it is what it gets."""
+    per_gpu = 1.0 / (1.0 / target_rate + 1.0 / drafter_rate)
+    share = per_gpu / target_rate
+    return {"gpus": n_gpus, "tokens_per_second": n_gpus * per_gpu, "target_share": share,
+            "drafter_share": 1.0 - share}
+
+
 def _rates(cfg) -> tuple[float, float, str]:
+    """(target context tokens/s per GPU, drafter block tokens/s per GPU, where they came from)."""
     c = cfg.cluster
-    t, d = c.target_tokens_per_gpu, c.drafter_tokens_per_gpu
+    t, d = c.target_tokens_per_gpu, c.drafter_block_tokens_per_gpu
     if t is not None and d is not None:
-        return t, d, "config (cluster.target_tokens_per_gpu, cluster.drafter_tokens_per_gpu)"
+        return t, d, "config (cluster.target_tokens_per_gpu, cluster.drafter_block_tokens_per_gpu)"
     summary = RunLayout(cfg.run.dir).summary
     if summary.exists():
         try:
@@ -47,7 +72,7 @@ def _rates(cfg) -> tuple[float, float, str]:
             m = s.get("measured") or {}
             same_model = (s.get("model", {}).get("num_draft_layers") == cfg.model.num_draft_layers
                           and bool(s.get("use_gpu")) == c.use_gpu)
-            mt, md = m.get("target_tokens_per_second_per_actor"), m.get("drafter_tokens_per_second_per_worker")
+            mt, md = m.get("target_tokens_per_second_per_actor"), m.get("drafter_block_tokens_per_second_per_worker")
             if same_model and mt and md:
                 return (float(t if t is not None else mt), float(d if d is not None else md),
                         f"measured by the run in {summary.parent}")
@@ -55,8 +80,9 @@ def _rates(cfg) -> tuple[float, float, str]:
             pass
     sr = SEED_RUN
     return (t if t is not None else sr["tokens_per_second"] / sr["target"],
-            d if d is not None else sr["tokens_per_second"] / sr["drafter"],
-            "seed-run estimate: 25.3K tokens/s on 6 target + 2 drafter GPUs, assumed balanced")
+            d if d is not None else sr["tokens_per_second"] * sr["block_tokens_per_token"] / sr["drafter"],
+            "seed-run estimate: 25.3K context tokens/s on 6 target + 2 drafter GPUs at ~3.91 block tokens per "
+            "context token, drafter-bound")
 
 
 def node_split(nodes: int, gpus_per_node: int, target_workers: int, drafter_workers: int,
@@ -83,30 +109,48 @@ def node_split(nodes: int, gpus_per_node: int, target_workers: int, drafter_work
 
 def capacity_report(cfg, plan_summary: dict, feature_bytes_per_token: float | None = None) -> dict:
     c = cfg.cluster
-    n = c.target_workers + c.drafter_workers
+    gpus = c.target_workers * (c.target_gpus if c.use_gpu else 1) + c.drafter_workers * (c.drafter_gpus if c.use_gpu else 1)
+    n = max(2, round(gpus))
+    shared = c.use_gpu and (c.target_gpus < 1 or c.drafter_gpus < 1)
     unit = "GPUs" if c.use_gpu else "devices (CPU actors)"
-    t_rate, d_rate, source = _rates(cfg)
+    t_rate, block_rate, source = _rates(cfg)
+    rho = plan_summary.get("block_tokens_per_token") or 1.0
+    d_rate = block_rate / rho                     # the drafter's context tokens/s per GPU at this density
     model = best_split(n, t_rate, d_rate)
-    configured = next(s for s in model["splits"] if s["target"] == c.target_workers)
     best = model["best"]
+    together = colocated(n, t_rate, d_rate)
+    configured = (None if shared or c.target_workers + c.drafter_workers != n
+                  else next(s for s in model["splits"] if s["target"] == c.target_workers))
     tokens = plan_summary.get("tokens") or 0
-    cap = {"devices": n, "target_tokens_per_gpu": t_rate, "drafter_tokens_per_gpu": d_rate, "source": source,
-           "configured": configured, "best": best,
-           "epoch_hours_configured": tokens / configured["tokens_per_second"] / 3600 if tokens else None,
-           "epoch_hours_best": tokens / best["tokens_per_second"] / 3600 if tokens else None}
+    winner = "colocated" if together["tokens_per_second"] > best["tokens_per_second"] else "split"
+    top = max(together["tokens_per_second"], best["tokens_per_second"])
+    cap = {"devices": n, "target_tokens_per_gpu": t_rate, "drafter_block_tokens_per_gpu": block_rate,
+           "drafter_tokens_per_gpu": d_rate, "block_tokens_per_token": rho, "source": source,
+           "configured": configured, "best": best, "colocated": together, "best_layout": winner,
+           "tokens_per_second": top, "block_tokens_per_second": top * rho,
+           "epoch_hours_configured": tokens / configured["tokens_per_second"] / 3600 if tokens and configured else None,
+           "epoch_hours_best": tokens / top / 3600 if tokens else None}
     text = [
         f"capacity model ({cfg.cluster.name}: {n} {unit}); rates from {source}",
-        f"  target {t_rate:,.0f} tokens/s per device, drafter {d_rate:,.0f} tokens/s per device",
-        f"  configured split {configured['target']} target + {configured['drafter']} drafter: "
-        f"{configured['tokens_per_second']:,.0f} tokens/s ({_bound(configured)})",
-        f"  best split       {best['target']} target + {best['drafter']} drafter: "
-        f"{best['tokens_per_second']:,.0f} tokens/s ({_bound(best)})",
+        f"  target {t_rate:,.0f} context tokens/s per device; drafter {block_rate:,.0f} block tokens/s per device "
+        f"= {d_rate:,.0f} context tokens/s at this plan's {rho:.2f} block tokens per context token",
     ]
+    if configured:
+        text.append(f"  configured split {configured['target']} target + {configured['drafter']} drafter: "
+                    f"{_both(configured['tokens_per_second'], rho)} ({_bound(configured)})")
+    text += [f"  best split       {best['target']} target + {best['drafter']} drafter: "
+             f"{_both(best['tokens_per_second'], rho)} ({_bound(best)})",
+             f"  colocated        {n} x (target + drafter), GPU time {together['target_share']:.0%} target / "
+             f"{together['drafter_share']:.0%} drafter: {_both(together['tokens_per_second'], rho)} "
+             f"(cluster.target_workers={n} cluster.drafter_workers={n} cluster.target_gpus=0.5 "
+             f"cluster.drafter_gpus=0.5; the two processes' interference on a GPU is not modelled)",
+             f"  best layout: {winner}, {_both(top, rho)}"]
     if tokens:
-        text.append(f"  one epoch ({tokens:,} tokens): {_duration(cap['epoch_hours_configured'])} configured, "
-                    f"{_duration(cap['epoch_hours_best'])} at the best split")
+        text.append(f"  one epoch ({tokens:,} context tokens): "
+                    + (f"{_duration(cap['epoch_hours_configured'])} configured, " if configured else "")
+                    + f"{_duration(cap['epoch_hours_best'])} at the best layout")
     nodes = c.get("nodes", 1)   # (a stand-in cluster without the key: one node)
-    if nodes > 1:
+    if nodes > 1 and configured:
         per = n // nodes
         split = node_split(nodes, per, c.target_workers, c.drafter_workers, t_rate, d_rate,
                            feature_bytes_per_token)
@@ -116,14 +160,18 @@ def capacity_report(cfg, plan_summary: dict, feature_bytes_per_token: float | No
         for nd in split["nodes"]:
             idle = f" + {nd['idle_gpus']} idle" if nd["idle_gpus"] else ""
             text.append(f"    node {nd['node']}: {nd['target']} target + {nd['drafter']} drafter{idle}: "
-                        f"{nd['tokens_per_second']:,.0f} tokens/s")
+                        f"{nd['tokens_per_second']:,.0f} context tokens/s")
         fb = split["feature_bytes_per_token"]
         one = (f"{split['one_stream_cross_node_bytes_per_second'] / 1e9:,.2f} GB/s" if fb else "unknown bytes")
         text.append(f"  cross-node feature traffic: 0 B/s with node-local streams ({split['tokens_per_second']:,.0f} "
-                    f"tokens/s in all); one stream over all nodes would move "
+                    f"context tokens/s in all); one stream over all nodes would move "
                     f"{100 * split['one_stream_cross_node_fraction']:.0f}% of the batches' features across nodes "
                     f"({one}{f' at {fb / 1e3:,.1f} KB per token' if fb else ''})")
     return {"capacity": cap, "text": text}
+
+
+def _both(context_tps: float, rho: float) -> str:
+    return f"{context_tps:,.0f} context tokens/s = {context_tps * rho:,.0f} block tokens/s"
 
 
 def _duration(hours: float) -> str:

@@ -37,6 +37,7 @@ def metrics_line(result, step: int, *, timings: dict, feed: dict, epoch_batches:
     compute thread's CPU), where it is in the epoch and the run."""
     real = [p for p in result.positions if p >= 0]
     return {"step": step, "epoch": result.epoch, "loss": result.loss, "tokens": result.tokens,
+            "block_tokens": result.block_tokens,
             "weight_sum": result.weight_sum, "lr": result.lr, "grad_norm": result.grad_norm, **timings,
             "slot_accuracy": result.slot_accuracy, "train_tau": result.train_tau,
             "train_tau_if_slots_independent": result.train_tau_if_slots_independent,

@@ -12,7 +12,9 @@ class Gauges:
         self.run, self.run_name = {"run": run}, run
         g = lambda name, desc, keys=tags: Gauge(name, description=desc, tag_keys=keys)  # noqa: E731
         self.loss = g("dflash_loss", "training loss of the last optimizer step")
-        self.tokens_per_s = g("dflash_tokens_per_second", "trained tokens per second (recent steps)")
+        self.tokens_per_s = g("dflash_tokens_per_second", "context tokens trained per second (recent steps)")
+        self.block_tokens_per_s = g("dflash_block_tokens_per_second",
+                                    "anchor blocks x block size trained per second (recent steps)")
         self.tau = g("dflash_heldout_tau", "acceptance length on held-out prompts (speculative decoding)")
         self.step_no = g("dflash_step", "optimizer steps committed")
         self.train_tau = g("dflash_train_tau", "acceptance length measured on the last step's training blocks")
@@ -29,10 +31,11 @@ class Gauges:
         self.target_busy = Counter("dflash_target_busy_seconds", description="seconds a target actor computed",
                                    tag_keys=("run", "actor"))
 
-    def step(self, metrics: dict, ledger_line: dict, tokens_per_second: float) -> None:
+    def step(self, metrics: dict, ledger_line: dict, tokens_per_second: float, block_tokens_per_second: float) -> None:
         tags = self.run
         self.loss.set(float(metrics["loss"]), tags=tags)
         self.tokens_per_s.set(tokens_per_second, tags=tags)
+        self.block_tokens_per_s.set(block_tokens_per_second, tags=tags)
         self.step_no.set(int(metrics["step"]), tags=tags)
         self.epoch_progress.set(float(metrics.get("epoch_progress", 0.0)), tags=tags)
         for b in ledger_line.get("buckets", []):

@@ -57,7 +57,7 @@ class RunRecord:
         self.last: dict = {}
         self.stream_total_steps = 0   # the current stream's last step
         self.run_total_steps = 0      # the run's last step (a stream segment ends earlier)
-        self.step_times: list[tuple[float, int]] = []
+        self.step_times: list[tuple[float, int, int]] = []   # (end, context tokens, block tokens) of recent steps
         self.pending_metrics: dict = {}   # an upload's seconds, for the next metrics line
         self.checkpoints: list[dict] = []
         self.removed_checkpoints: list = []   # a previous driver's unregistered checkpoint directories
@@ -133,13 +133,15 @@ class RunRecord:
         now = float(metrics.get("time") or time.time())
         if ledger_line["step"] <= 100 or ledger_line["step"] % 1000 == 0:   # the start-up's steps; bounded after
             self.mark(f"step{ledger_line['step']}", at=now)
-        self.step_times = (self.step_times + [(now, int(metrics["tokens"]))])[-20:]
+        self.step_times = (self.step_times + [(now, int(metrics["tokens"]), int(metrics.get("block_tokens", 0)))])[-20:]
+        tps = bps = 0.0
         if len(self.step_times) >= 2:
-            dt = self.step_times[-1][0] - self.step_times[0][0]
-            tps = sum(t for _, t in self.step_times[1:]) / max(dt, 1e-9)
-        else:
-            tps = 0.0
-        metrics = {**metrics, **self.pending_metrics, "tokens_per_second": tps, "attempt": self.attempt,
+            dt = max(self.step_times[-1][0] - self.step_times[0][0], 1e-9)
+            tps = sum(t for _, t, _ in self.step_times[1:]) / dt
+            bps = sum(b for _, _, b in self.step_times[1:]) / dt
+        # both units: context tokens/s (the target's) and trained block tokens/s (the drafter's)
+        metrics = {**metrics, **self.pending_metrics, "tokens_per_second": tps, "block_tokens_per_second": bps,
+                   "attempt": self.attempt,
                    "time": now, "failures_survived": self.failures_survived()}
         self.pending_metrics = {}
         ledger_line = {**ledger_line, "attempt": self.attempt}
@@ -148,7 +150,7 @@ class RunRecord:
         with open(self.files.metrics, "a") as f:
             f.write(json.dumps(metrics) + "\n")
         self.last = metrics
-        self.gauges.step(metrics, ledger_line, tps)
+        self.gauges.step(metrics, ledger_line, tps, bps)
         if self.trackers is not None:
             from dflash_ray.runtime.record.trackers import step_scalars
 
@@ -307,6 +309,7 @@ class RunRecord:
         return {"step": int(self.last.get("step", 0)), "total_steps": max(self.stream_total_steps, self.run_total_steps),
                 "heldout_tau": self.evals[-1]["tau"] if self.evals else None,
                 "loss": self.last.get("loss"), "tokens_per_second": self.last.get("tokens_per_second", 0.0),
+                "block_tokens_per_second": self.last.get("block_tokens_per_second", 0.0),
                 "failures_survived": self.failures_survived(), "epoch": self.last.get("epoch")}
 
     def set_run_total_steps(self, total_steps: int) -> None:

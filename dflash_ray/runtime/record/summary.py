@@ -31,6 +31,8 @@ def build_summary(run_spec, plans, plan_summary: dict, report: dict, *, started:
     steady = base[1:]
     span = (steady[-1]["time"] - base[0]["time"]) if steady else 0.0
     tps = sum(int(m["tokens"]) for m in steady) / span if span > 0 else 0.0
+    bps = sum(int(m.get("block_tokens", 0)) for m in steady) / span if span > 0 else 0.0
+    tokens, block_tokens = sum(int(m["tokens"]) for m in metrics), sum(int(m.get("block_tokens", 0)) for m in metrics)
     tokens_now = sum(int(m["tokens"]) for m in now)
     c = run_spec.cluster
     skipped = [int(r["step"]) for r in ledger if r.get("skipped") == "nonfinite"]
@@ -40,7 +42,11 @@ def build_summary(run_spec, plans, plan_summary: dict, report: dict, *, started:
         "steps": int(metrics[-1]["step"]) if metrics else 0,
         "epochs": sorted({int(m["epoch"]) for m in metrics}),
         "epochs_finished": finished,
-        "tokens": sum(int(m["tokens"]) for m in metrics), "tokens_per_second": tps, "wall_seconds": wall_seconds,
+        # two units: context tokens (what the target computed) and block tokens (anchor blocks x block size, what
+        # the drafter trained); their ratio is the density a throughput is comparable at
+        "tokens": tokens, "tokens_per_second": tps, "wall_seconds": wall_seconds,
+        "block_tokens": block_tokens, "block_tokens_per_second": bps,
+        "block_tokens_per_token": block_tokens / tokens if tokens else None,
         "tokens_this_invocation": tokens_now,
         "end_to_end_tokens_per_second": tokens_now / wall_seconds if wall_seconds > 0 else 0.0,
         "final_loss": finite_losses[-1] if finite_losses else None,   # of the last step that trained
@@ -84,16 +90,20 @@ def _best(run_spec, evals: list) -> dict | None:
 
 
 def measured_rates(targets: dict, metrics: list, drafter_workers: int) -> dict:
-    """Per-device rates for the capacity model: target tokens per busy second of an actor, drafter tokens
-    per compute second of a worker (median over steps; data waits excluded)."""
+    """Per-device rates for the capacity model, each in its side's unit: target context tokens per busy
+    second of an actor; drafter block tokens (and context tokens, at this run's density) per compute
+    second of a worker (median over steps; data waits excluded)."""
     busy = sum(t["busy_s"] for t in targets.values())
     tokens = sum(t.get("tokens", 0) for t in targets.values())
     per_worker = [m["tokens"] / drafter_workers / m["compute_seconds"] for m in metrics[1:]
                   if m.get("compute_seconds")]
+    blocks_per_worker = [m.get("block_tokens", 0) / drafter_workers / m["compute_seconds"] for m in metrics[1:]
+                         if m.get("compute_seconds") and m.get("block_tokens")]
     waits = [m.get("wait_seconds", 0.0) for m in metrics[1:]]
     steps = [m.get("step_seconds", 0.0) for m in metrics[1:]]
     return {"target_tokens_per_second_per_actor": tokens / busy if busy > 0 else None,
             "drafter_tokens_per_second_per_worker": float(np.median(per_worker)) if per_worker else None,
+            "drafter_block_tokens_per_second_per_worker": float(np.median(blocks_per_worker)) if blocks_per_worker else None,
             "trainer_wait_fraction": float(sum(waits) / sum(steps)) if sum(steps) > 0 else None}
 
 

@@ -85,7 +85,8 @@ class StepResult:
     """One optimizer step, as every rank sees it after the all-reduce."""
     loss: float                 # sum(loss_sum) / sum(weight_sum)
     weight_sum: float
-    tokens: int                 # real tokens of the step's batches
+    tokens: int                 # real tokens of the step's batches (context tokens: the target's work)
+    block_tokens: int           # anchor blocks trained x block size (the drafter's work)
     slot_accuracy: list         # per block slot 1..B-1
     train_tau: float            # measured on the step's blocks: 1 + mean leading correct slots (what greedy
                                 # verification against these labels would accept)
@@ -173,6 +174,7 @@ def train_step(model, drafter, optimizer, scheduler, rows: list[TrainRow], *, ra
     slot_accuracy = (total.slot_correct / np.maximum(total.slot_count, 1)).tolist()
     return StepResult(
         loss=total.loss_sum / max(total.weight_sum, 1e-12), weight_sum=total.weight_sum, tokens=int(total.tokens),
+        block_tokens=int(round(total.num_blocks)) * block_size,
         slot_accuracy=slot_accuracy, train_tau=1.0 + float(total.prefix_correct.sum()) / max(total.num_blocks, 1.0),
         train_tau_if_slots_independent=expected_acceptance_length(slot_accuracy), grad_norm=grad_norm, lr=lr,
         epoch=int(total.batch_epoch.max()), positions=total.batch_position.tolist(),
