@@ -1,7 +1,11 @@
 """The recipe's anchor density at flat drafter memory: how to bound the drafter's work per batch, decided
 on a seed-shaped epoch (numbers from the plan and the memory model; no torch, seconds to run).
 
-    .venv/bin/python benchmarks/bench_density.py [--scale 20] [--check]
+    .venv/bin/python benchmarks/bench_density.py [--scale 20] [--check] [--shards DIR]
+
+--shards DIR also writes the seed-shaped lengths as a shard `plan` reads (sample_id, num_tokens,
+num_supervised; no tokens), for `dflash-ray plan model=qwen3_8b data=sharegpt cluster=8gpu data.shards=DIR
+data.tokenizer=unused cluster.target_tokens_per_gpu=33009 cluster.drafter_block_tokens_per_gpu=50109`.
 
 The DFlash recipe trains every valid anchor of a row, 512 at most (SpecForge's --num-anchors). On
 seed-shaped data (six buckets, the seed run's batch counts, 70% of tokens supervised) that is ~3.9 block
@@ -57,6 +61,25 @@ def seed_shaped(scale: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
     return lengths, (lengths * 0.7).astype(np.int64)
 
 
+def write_length_shard(directory: str, lengths: np.ndarray, supervised: np.ndarray) -> None:
+    """A shard with the columns `plan` reads and one-token placeholders for the tokens it does not."""
+    from pathlib import Path
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    n = lengths.size
+    pq.write_table(pa.table({
+        "sample_id": pa.array(np.arange(n, dtype=np.int64)),
+        "input_ids": pa.array([np.zeros(1, np.int32)] * n, type=pa.list_(pa.int32())),
+        "loss_mask": pa.array([np.zeros(1, np.int8)] * n, type=pa.list_(pa.int8())),
+        "num_tokens": pa.array(lengths.astype(np.int32)),
+        "num_supervised": pa.array(supervised.astype(np.int32)),
+    }), Path(directory) / "part-00000.parquet")
+    print(f"wrote {n:,} seed-shaped samples' lengths to {directory}/part-00000.parquet")
+
+
 def ddp_efficiency(work: np.ndarray, ranks: int) -> float:
     """Steps take `ranks` consecutive batches of the order; each waits for its slowest rank."""
     n = work.size // ranks * ranks
@@ -103,8 +126,11 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--scale", type=int, default=20, help="the seed run's epoch / this many samples")
     ap.add_argument("--check", action="store_true")
+    ap.add_argument("--shards", metavar="DIR", help="write the lengths as a shard for `dflash-ray plan`")
     a = ap.parse_args(argv)
     lengths, sup = seed_shaped(a.scale)
+    if a.shards:
+        write_length_shard(a.shards, lengths, sup)
     ids = np.arange(lengths.size)
     shape = Shape.of(QWEN3_8B).drafter()
     base = dict(boundaries=BOUNDS, max_tokens_per_batch=BUDGET_TOKENS, min_tokens=32, block_size=16, num_anchors=512,

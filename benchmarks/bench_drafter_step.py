@@ -250,6 +250,7 @@ def main():
         write_json(args.json, {
             "device": rows[0][1], "shape": shape, "batch": bsz, "context": s, "anchors_per_row": n_anchor,
             "anchors_per_batch": args.anchors_per_batch, "blocks": int(out.num_blocks), "compiled": compiled,
+            "ce_chunk_rows": args.ce_chunk_rows,
             "step_ms_median": elapsed * 1e3, "peak_memory_gib": peak_mem, "memory": mem_label,
             "memory_model_gib": model_gib, "recompute_layers": args.recompute_layers,
             "tflop_per_step": flops / 1e12, "mfu": mfu, "peak_tflops": peak / 1e12, "losses_finite": finite,

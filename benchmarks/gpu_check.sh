@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
 # ONE prepared run for a lent GPU machine (one H200; its image has CUDA PyTorch, transformers, safetensors,
-# pyarrow, but no Ray, OmegaConf or Hydra): 217 s on 2026-11-29 (benchmarks/results/), every part under its
-# own time-out (560 s in all, inside one 10-minute device call); the quick runtime paths (3.) run first:
-#   1. the drafter step at Qwen3-8B's drafter shape (bf16 autocast, compiled): ms/step, MFU, peak memory;
-#      then the smallest and the largest bucket's batch under the anchor budget (32 x 512 and 2 x 8192
-#      tokens, model.anchors_per_batch=512): peak memory of each
-#   2. target feature capture at Qwen3-8B's shape vs output_hidden_states=True: tokens/s, peak memory
-#   3. the runtime's GPU-only paths without Ray (benchmarks/gpu_check.py): the step's all-reduce on NCCL,
+# pyarrow, but no Ray, OmegaConf or Hydra). The parts measured on 2026-11-29 (benchmarks/results/: the
+# drafter step's MFU, thinned buckets, target capture) gave way to what has not run on a GPU yet; every
+# part has its own time-out (560 s in all, inside one 10-minute device call); GPU_CHECK_ALL=1 adds the
+# 2026-11-29 parts back (over the 10 minutes: run it in two calls):
+#   1. the runtime's GPU-only paths without Ray (benchmarks/gpu_check.py): the step's all-reduce on NCCL,
 #      the bf16 feature encoding, checkpoint write/restore on CUDA
+#   2. the drafter step at the recipe's density with the plan's cut at 16,384 block tokens (the real
+#      presets' model.max_block_tokens_per_batch): the shortest bucket's batch (3 x 512, 340 anchors a
+#      row) and the longest's (2 x 8192, 512 a row): peak memory and MFU of each (issue 23's flat memory)
+#   3. the target's capture at the plan's forward sizes, 1 x 512 .. 2 x 8192 (bench_target_sizes.py): the
+#      target's efficiency at the small batches the cut makes
+#   4. the loss's vocab chunk (ce_chunk_rows 1024, 2048, 4096; layers not compiled, the head is not anyway)
+#   5. the drafter step at Qwen3-8B's drafter shape (bf16 autocast, compiled, fused AdamW): ms/step, MFU
 # Writes $OUT/gpu_check.json (all figures) beside each part's log. The image lacks the reference `dflash`
 # (part 2's oracle): carry its wheel in .whl/ (`pip download --no-deps -d .whl dflash==0.1.0`), installed here.
 # Usage (device tool):
@@ -28,9 +33,13 @@ small=()
 if [ -n "${GPU_CHECK_CPU:-}" ]; then
   small=(--cpu-small)
   buckets=("--batch 8 --context 128" "--batch 1 --context 1024")
+  recipe=("--batch 3 --context 64 --anchors 20" "--batch 2 --context 512 --anchors 32")
+  chunks=(128 256 512)
   budget=32
 else
   buckets=("--batch 32 --context 512" "--batch 2 --context 8192")
+  recipe=("--batch 3 --context 512 --anchors 340" "--batch 2 --context 8192 --anchors 512")
+  chunks=(1024 2048 4096)
   budget=512
 fi
 status=0
@@ -45,22 +54,35 @@ part() {  # part NAME SECONDS COMMAND...: run, log, remember a failure, go on
 device=()
 [ -n "${GPU_CHECK_CPU:-}" ] && device=(--device cpu)
 part runtime_paths 60 "$PY" benchmarks/gpu_check.py "${device[@]}" --out "$OUT/runtime_paths.json"
-part drafter_step 180 "$PY" benchmarks/bench_drafter_step.py "${small[@]}" --json "$OUT/drafter_step.json"
-part bucket_smallest 100 "$PY" benchmarks/bench_drafter_step.py "${small[@]}" ${buckets[0]} --steps 3 --warmup 1 \
-  --anchors-per-batch "$budget" --json "$OUT/bucket_smallest.json"
-part bucket_largest 100 "$PY" benchmarks/bench_drafter_step.py "${small[@]}" ${buckets[1]} --steps 3 --warmup 1 \
-  --anchors-per-batch "$budget" --json "$OUT/bucket_largest.json"
-part target_capture 120 "$PY" benchmarks/bench_target_capture.py "${small[@]}" --json "$OUT/target_capture.json"
+part recipe_short 90 "$PY" benchmarks/bench_drafter_step.py "${small[@]}" ${recipe[0]} --steps 3 --warmup 1 \
+  --json "$OUT/recipe_short.json"
+part recipe_long 90 "$PY" benchmarks/bench_drafter_step.py "${small[@]}" ${recipe[1]} --steps 3 --warmup 1 \
+  --json "$OUT/recipe_long.json"
+part target_sizes 90 "$PY" benchmarks/bench_target_sizes.py "${small[@]}" --json "$OUT/target_sizes.json"
+for c in "${chunks[@]}"; do
+  part "ce_chunk_$c" 35 "$PY" benchmarks/bench_drafter_step.py "${small[@]}" --no-compile --steps 3 --warmup 1 \
+    --ce-chunk-rows "$c" --json "$OUT/ce_chunk_$c.json"
+done
+part drafter_step 120 "$PY" benchmarks/bench_drafter_step.py "${small[@]}" --json "$OUT/drafter_step.json"
+if [ -n "${GPU_CHECK_ALL:-}" ]; then
+  part bucket_smallest 100 "$PY" benchmarks/bench_drafter_step.py "${small[@]}" ${buckets[0]} --steps 3 --warmup 1 \
+    --anchors-per-batch "$budget" --json "$OUT/bucket_smallest.json"
+  part bucket_largest 100 "$PY" benchmarks/bench_drafter_step.py "${small[@]}" ${buckets[1]} --steps 3 --warmup 1 \
+    --anchors-per-batch "$budget" --json "$OUT/bucket_largest.json"
+  part target_capture 120 "$PY" benchmarks/bench_target_capture.py "${small[@]}" --json "$OUT/target_capture.json"
+fi
 "$PY" - "$OUT" <<'PYEOF'
 import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
-parts = ("drafter_step", "bucket_smallest", "bucket_largest", "target_capture", "runtime_paths")
+parts = ["runtime_paths", "recipe_short", "recipe_long", "target_sizes", "drafter_step", "bucket_smallest",
+         "bucket_largest", "target_capture"] + sorted(p.stem for p in out.glob("ce_chunk_*.json"))
 report = {p: (json.loads((out / f"{p}.json").read_text()) if (out / f"{p}.json").exists() else None) for p in parts}
-small, large = report["bucket_smallest"], report["bucket_largest"]
-if small and large:
-    lo, hi = sorted([small["peak_memory_gib"], large["peak_memory_gib"]])
-    report["bucket_memory_max_over_min"] = hi / max(lo, 1e-9)
+for name, (a, b) in {"recipe_memory_max_over_min": ("recipe_short", "recipe_long"),
+                     "bucket_memory_max_over_min": ("bucket_smallest", "bucket_largest")}.items():
+    if report[a] and report[b]:
+        lo, hi = sorted([report[a]["peak_memory_gib"], report[b]["peak_memory_gib"]])
+        report[name] = hi / max(lo, 1e-9)
 (out / "gpu_check.json").write_text(json.dumps(report, indent=2))
 print(json.dumps({p: (v is not None) for p, v in report.items()}))
 PYEOF

@@ -16,7 +16,8 @@ from pathlib import Path
 
 from dflash_ray.errors import UserError
 
-COMMANDS = ("regenerate", "prepare", "plan", "order-stats", "train", "compare-orders", "eval", "export", "push", "plot")
+COMMANDS = ("regenerate", "prepare", "plan", "order-stats", "train", "compare", "compare-orders", "eval", "export", "push",
+            "plot")
 
 # What `dflash-ray --help` (the one line) and `dflash-ray <command> --help` (the description and the main
 # config keys, each shown with its default and its line from dflash_ray/config.py) say about each command.
@@ -72,6 +73,15 @@ HELP = {
         ("model", "data", "cluster", "model.target_path", "data.tokenizer", "data.shards", "train.epochs",
          "train.max_steps", "train.lr", "train.checkpoint_every_minutes", "train.storage_path", "train.trackers",
          "cluster.target_workers", "cluster.drafter_workers", "run.name")),
+    "compare": (
+        "one config key's values, each trained with everything else equal, side by side",
+        "The same drafter (same data, target, seed and initial weights) trained once per value of KEY "
+        "(dflash-ray compare KEY=V1,V2[,...] [overrides]), everything else equal. Prints final loss, held-out "
+        "tau after training (equal target tokens) and at equal training time (the runs' in-training "
+        "evaluations: set train.heldout_every), context and block tokens (the density), training seconds, "
+        "loss roughness, quarter shares and bucket ends; writes compare.json and two PNGs into "
+        "<run.dir>-compare/. E.g. model.anchors_per_batch=null,32: the recipe's density against thinning.",
+        ("train.epochs", "train.heldout_every", "run.name")),
     "compare-orders": (
         "the same drafter trained once per interleave strategy, side by side",
         "The same drafter (same data, target, seed, initial weights and batches) trained once per interleave "
@@ -220,6 +230,8 @@ def _parser(cmd: str) -> argparse.ArgumentParser:
         p.add_argument("--dump-order", metavar="PATH.npy")
         p.add_argument("--compare", action="store_true", help="all strategies side by side")
         p.add_argument("--plot", metavar="PNG", help="bucket sequence and run lengths per strategy")
+    if cmd == "compare":
+        p.add_argument("sweep", metavar="KEY=V1,V2[,...]", help="the config key to compare and its values")
     if cmd == "compare-orders":
         p.add_argument("--strategies", default=None, metavar="A,B",
                        help="the interleave strategies to train, comma-separated (default: all of them)")
@@ -314,6 +326,10 @@ def _dispatch(cmd: str, args) -> int:
         from dflash_ray.publish import take_export_override
 
         overrides, args.export = take_export_override(overrides)
+    if cmd == "compare":  # KEY=V1,V2 is compare's argument; the base config leaves KEY at what the rest says
+        from dflash_ray.runtime.jobs.compare import parse_sweep
+
+        args.key, args.values = parse_sweep(args.sweep)
     cfg = compose_config(overrides)
     if args.cfg == "job":
         print(to_yaml(cfg), end="")
@@ -323,7 +339,8 @@ def _dispatch(cmd: str, args) -> int:
     # hub ids -> their local snapshot (downloaded where the hub is reachable); GGUF files -> converted once
     resolve_model_paths(cfg, log=lambda m: print(m, file=sys.stderr, flush=True))
     handler = {"regenerate": regenerate_command, "prepare": prepare_command, "plan": plan_command,
-               "train": train_command, "compare-orders": compare_orders_command, "eval": eval_command,
+               "train": train_command, "compare": compare_command, "compare-orders": compare_orders_command,
+               "eval": eval_command,
                "export": export_command, "push": push_command, "plot": plot_command}[cmd]
     return handler(cfg, args)
 
@@ -561,7 +578,7 @@ def train_command(cfg, args) -> int:
 def compare_orders_command(cfg, args) -> int:
     """The same drafter trained once per interleave strategy with the same budget, side by side."""
     from dflash_ray.data.interleave import STRATEGIES
-    from dflash_ray.runtime.jobs.compare_orders import compare_orders, format_comparison
+    from dflash_ray.runtime.jobs.compare import compare_orders
 
     strategies = list(STRATEGIES)
     if args.strategies is not None:
@@ -572,12 +589,24 @@ def compare_orders_command(cfg, args) -> int:
                             f"(any of {', '.join(STRATEGIES)})")
     overrides = [o for o in args.overrides if not o.startswith(("run.name=", "data.interleave="))]
     log = (lambda *a, **k: print(*a, file=sys.stderr, **k)) if args.json else print
-    result = compare_orders(cfg, overrides, log=log, strategies=strategies)
-    if args.json:
-        print(json.dumps({k: {kk: vv for kk, vv in v.items() if kk not in ("losses", "buckets_in_order")}
-                          for k, v in result["rows"].items()}, indent=2))
+    return _print_comparison(compare_orders(cfg, overrides, log=log, strategies=strategies), args.json)
+
+
+def compare_command(cfg, args) -> int:
+    """One config key's values trained side by side (compare-orders is compare data.interleave=...)."""
+    from dflash_ray.runtime.jobs.compare import compare
+
+    log = (lambda *a, **k: print(*a, file=sys.stderr, **k)) if args.json else print
+    return _print_comparison(compare(cfg, args.key, args.values, list(args.overrides), log=log), args.json)
+
+
+def _print_comparison(result: dict, as_json: bool) -> int:
+    from dflash_ray.runtime.jobs.compare import format_comparison, report_row
+
+    if as_json:
+        print(json.dumps({k: report_row(v) for k, v in result["rows"].items()}, indent=2))
     else:
-        print(format_comparison(result["rows"]))
+        print(format_comparison(result["rows"], result["key"]))
         for p in result["pngs"]:
             print(p)
     return 0

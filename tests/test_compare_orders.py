@@ -1,4 +1,5 @@
-"""compare-orders: the measures by hand, then the command on the session's Ray with a small budget."""
+"""compare and compare-orders: the measures by hand, the sweep's parsing and its one-line errors, then the
+commands on the session's Ray with a small budget."""
 from __future__ import annotations
 
 import json
@@ -8,7 +9,8 @@ import numpy as np
 import pytest
 
 from dflash_ray.data.interleave import STRATEGIES
-from dflash_ray.runtime.jobs.compare_orders import bucket_usage, roughness
+from dflash_ray.errors import UserError
+from dflash_ray.runtime.jobs.compare import bucket_usage, equal_time, parse_sweep, roughness, tau_curve
 
 
 def test_roughness_by_hand():
@@ -28,6 +30,48 @@ def test_bucket_usage_by_hand():
     u = bucket_usage(ledger, 3)
     assert u["quarter_shares_pct"] == [[100.0, 0.0, 0.0], [0.0, 100.0, 0.0], [50.0, 50.0, 0.0], [50.0, 50.0, 0.0]]
     assert u["bucket_end_fraction"] == [7 / 8, 1.0, None]
+
+
+def test_the_sweep_is_parsed_and_bad_ones_are_one_line():
+    assert parse_sweep("model.anchors_per_batch=null,32") == ("model.anchors_per_batch", ["null", "32"])
+    assert parse_sweep("data.bucket_boundaries=[64,128],[128,256],[512]") == (
+        "data.bucket_boundaries", ["[64,128]", "[128,256]", "[512]"])
+    for bad, says in (("model.anchors_per_batch=32", "two values at least"), ("model.block_size", "KEY=V1,V2"),
+                      ("train.lr=1e-3,", "KEY=V1,V2"), ("run.name=a,b", "cannot be compared"),
+                      ("train.lr=1e-3,1e-3", "given twice")):
+        with pytest.raises(UserError, match=says):
+            parse_sweep(bad)
+
+
+def test_a_bad_value_or_key_stops_compare_before_anything_trains(tiny_data, tmp_path, capsys):
+    from dflash_ray.cli import main
+
+    # a value below the key's minimum, then a key that does not exist: one line each, exit 2, no run made
+    for sweep, says in (("model.anchors_per_batch=null,0", "model.anchors_per_batch"),
+                        ("model.anchors_per_bach=1,2", "did you mean 'model.anchors_per_batch'")):
+        assert main(["compare", sweep, f"run.root={tmp_path}", *tiny_data]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and says in err[0], err
+    assert not any(tmp_path.iterdir())
+
+
+def test_tau_at_equal_training_time_by_hand():
+    # run a: 4 steps of 10 s, evals at steps 2 (tau 1.5) and 4 (tau 1.8), final tau 2.0 after 40 s;
+    # run b: 4 steps of 5 s, final tau 1.7 after 20 s -> T = 20 s: b's final, a's eval at step 2 (20 s)
+    a_metrics = [{"step": k, "step_seconds": 10.0, "tokens": 100} for k in range(1, 5)]
+    b_metrics = [{"step": k, "step_seconds": 5.0, "tokens": 100} for k in range(1, 5)]
+    curve = tau_curve(a_metrics, [{"step": 2, "tau": 1.5}, {"step": 4, "tau": 1.8}])
+    assert curve == [{"step": 2, "tau": 1.5, "train_seconds": 20.0, "tokens": 200},
+                     {"step": 4, "tau": 1.8, "train_seconds": 40.0, "tokens": 400}]
+    rows = {"a": {"train_seconds": 40.0, "heldout_tau": 2.0, "tau_curve": curve},
+            "b": {"train_seconds": 20.0, "heldout_tau": 1.7, "tau_curve": tau_curve(b_metrics, [])}}
+    equal_time(rows)
+    assert (rows["a"]["tau_at_equal_time"], rows["b"]["tau_at_equal_time"]) == (1.5, 1.7)
+    assert rows["a"]["equal_time_seconds"] == rows["b"]["equal_time_seconds"] == 20.0
+    # no evaluation by then: unknown, not a guess
+    rows["a"]["tau_curve"] = curve[1:]
+    equal_time(rows)
+    assert rows["a"]["tau_at_equal_time"] is None
 
 
 def test_compare_orders_refuses_an_unknown_strategy_in_one_line(tiny_data, tmp_path, capsys):
@@ -52,6 +96,8 @@ def test_compare_orders_trains_the_named_strategies_on_the_same_batches(train_ru
     out = capsys.readouterr().out
     assert all(f"{s:>10}" in out for s in CHOSEN) and not any(f"{s:>10}" in out for s in STRATEGIES if s not in CHOSEN)
     result = json.loads((root / "cmp-orders" / "compare_orders.json").read_text())
+    assert result["key"] == "data.interleave"
+    result = result["runs"]
     assert list(result) == list(CHOSEN)
     for name in CHOSEN:
         run = Path(result[name]["run_dir"])
@@ -65,3 +111,34 @@ def test_compare_orders_trains_the_named_strategies_on_the_same_batches(train_ru
     assert seq == sorted(seq) and len(set(seq)) > 1
     for png in ("compare_orders_loss.png", "compare_orders_buckets.png"):
         assert (root / "cmp-orders" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_compare_trains_each_value_with_everything_else_equal(train_run, tiny_data, capsys):
+    """The recipe's density against thinning: the same batches (ledger), the thinned run trains fewer
+    block tokens (its metrics' sum); the equal-time mark is the shorter run's training time (tau itself is
+    not measured in this small world: no held-out prompts; tests/test_runtime_jobs.py covers held-out tau)."""
+    from dflash_ray.cli import main
+
+    root = train_run.root
+    assert main(["compare", "model.anchors_per_batch=null,4", f"run.root={root}", "run.name=cmpd", *tiny_data,
+                 "train.max_steps=4", "train.checkpoint_every=4", "train.heldout_every=2"]) == 0
+    out = capsys.readouterr().out
+    assert "model.anchors_per_batch" in out and "tau@time" in out
+    report = json.loads((root / "cmpd-compare" / "compare.json").read_text())
+    assert report["key"] == "model.anchors_per_batch" and list(report["runs"]) == ["null", "4"]
+    runs = report["runs"]
+    ledgers, blocks = {}, {}
+    for value, r in runs.items():
+        run = Path(r["run_dir"])
+        assert run.name == f"cmpd-anchors_per_batch-{value}"
+        ledgers[value] = [(x["positions"], x["buckets"]) for x in map(json.loads, (run / "ledger.jsonl").read_text().splitlines())]
+        metrics = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        blocks[value] = sum(m["block_tokens"] for m in metrics)
+        assert r["block_tokens"] == blocks[value] and r["tokens"] == sum(m["tokens"] for m in metrics)
+        assert r["train_seconds"] == pytest.approx(sum(m["step_seconds"] for m in metrics))
+    assert all(r["equal_time_seconds"] == min(x["train_seconds"] for x in runs.values()) for r in runs.values())
+    assert ledgers["null"] == ledgers["4"]                          # the same batches in the same order
+    # 4 anchors a batch at most, x block 8, per batch of the step (batches_per_step from the metrics)
+    assert blocks["4"] < blocks["null"] and blocks["4"] <= 4 * 8 * sum(len(p) for p, _ in ledgers["4"])
+    for png in ("compare_loss.png", "compare_buckets.png"):
+        assert (root / "cmpd-compare" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

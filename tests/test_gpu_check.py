@@ -33,8 +33,12 @@ def test_the_whole_script_writes_one_json_of_every_part(tmp_path):
                           timeout=600, env=env)
     assert proc.returncode == 0, proc.stdout[-3000:]
     report = json.loads((tmp_path / "gpu_check.json").read_text())
-    assert set(report) >= {"drafter_step", "bucket_smallest", "bucket_largest", "target_capture", "runtime_paths"}
-    assert report["bucket_smallest"]["anchors_per_batch"] == report["bucket_largest"]["anchors_per_batch"] == 32
-    assert report["bucket_smallest"]["blocks"] <= 32 and report["bucket_largest"]["blocks"] <= 32
-    assert report["target_capture"]["features_equal"] and report["runtime_paths"]["ok"]
-    assert report["drafter_step"]["losses_finite"]
+    assert set(report) >= {"drafter_step", "recipe_short", "recipe_long", "target_sizes", "runtime_paths",
+                           "ce_chunk_128", "ce_chunk_256", "ce_chunk_512"}
+    assert all(report[p] for p in ("drafter_step", "recipe_short", "recipe_long", "target_sizes", "runtime_paths"))
+    # the recipe's density: every requested anchor of every row trained (no anchors_per_batch), 3 x 20 and 2 x 32
+    assert report["recipe_short"]["anchors_per_batch"] is None and report["recipe_short"]["blocks"] == 3 * 20
+    assert report["recipe_long"]["blocks"] == 2 * 32 and report["recipe_memory_max_over_min"] > 0
+    assert [r["tokens"] for r in report["target_sizes"]["sizes"]] == [64, 128, 512, 1024]
+    assert [report[f"ce_chunk_{c}"]["ce_chunk_rows"] for c in (128, 256, 512)] == [128, 256, 512]
+    assert report["runtime_paths"]["ok"] and report["drafter_step"]["losses_finite"]

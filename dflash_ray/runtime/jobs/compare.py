@@ -1,0 +1,256 @@
+"""`dflash-ray compare KEY=V1,V2[,...] [overrides]`: one knob's values, trained side by side.
+
+The same drafter (same data, target, seed, hence the same initial weights) is trained once per value of
+KEY with everything else equal; `compare-orders` is its first use (KEY data.interleave: the seed run's
+batch-order experiment). Side by side: final training loss, held-out tau (after training: at equal
+target tokens, as every run trains the same epochs), held-out tau at equal training time (the in-training
+evaluations, train.heldout_every, of each run at the shortest run's training time), context tokens and
+trained block tokens (the density), training seconds, loss roughness, how evenly each quarter of the
+epoch held each bucket, and where each bucket ran out. Two PNGs: the loss curves, the bucket strips.
+
+Loss roughness: the mean absolute step-to-step change of the training loss, and the mean absolute
+residual around its centred moving average (window 9): a "fluffy" curve scores high on both.
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from dflash_ray.data.interleave import STRATEGIES
+
+
+def roughness(losses, window: int = 9) -> dict:
+    x = np.asarray(losses, dtype=np.float64)
+    if x.size < 2:
+        return {"mean_abs_step_change": 0.0, "mean_abs_residual": 0.0}
+    w = min(window, x.size)
+    pad = np.pad(x, (w // 2, w - 1 - w // 2), mode="edge")
+    smooth = np.convolve(pad, np.ones(w) / w, mode="valid")
+    return {"mean_abs_step_change": float(np.abs(np.diff(x)).mean()),
+            "mean_abs_residual": float(np.abs(x - smooth).mean())}
+
+
+def bucket_usage(ledger: list[dict], num_buckets: int) -> dict:
+    """From the ledger of epoch 0 (in training order): the bucket of each batch, each quarter's share of
+    each bucket (percent) and, per bucket, the fraction of the epoch's batches trained when its last
+    batch was."""
+    buckets = [b for r in ledger if int(r["epoch"]) == 0 for b in r["buckets"] if b >= 0]
+    n = len(buckets)
+    if n == 0:
+        return {"buckets_in_order": [], "quarter_shares_pct": [], "bucket_end_fraction": [None] * num_buckets}
+    seq = np.asarray(buckets)
+    quarters = [seq[int(q * n / 4):int((q + 1) * n / 4)] for q in range(4)]
+    shares = [[round(100.0 * float((part == b).mean()), 1) if part.size else 0.0 for b in range(num_buckets)]
+              for part in quarters]
+    ends = [float((np.nonzero(seq == b)[0].max() + 1) / n) if (seq == b).any() else None for b in range(num_buckets)]
+    return {"buckets_in_order": buckets, "quarter_shares_pct": shares, "bucket_end_fraction": ends}
+
+
+def split_values(text: str) -> list[str]:
+    """V1,V2,... split at the commas outside brackets and quotes (a value may be a list: [512,1024])."""
+    out, depth, quote, cur = [], 0, None, ""
+    for ch in text:
+        if quote:
+            quote = None if ch == quote else quote
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "[{(":
+            depth += 1
+        elif ch in "]})":
+            depth -= 1
+        elif ch == "," and depth == 0:
+            out.append(cur)
+            cur = ""
+            continue
+        cur += ch
+    out.append(cur)
+    return [v.strip() for v in out]
+
+
+def parse_sweep(sweep: str) -> tuple[str, list[str]]:
+    """KEY=V1,V2[,...] -> (KEY, [V1, V2, ...]); one line naming what is wrong otherwise."""
+    from dflash_ray.errors import UserError
+
+    key, eq, values = sweep.partition("=")
+    vals = split_values(values) if eq else []
+    if not key or not eq or len(vals) < 2 or any(v == "" for v in vals):
+        raise UserError(f"compare: expected KEY=V1,V2[,...] (two values at least), got '{sweep}'")
+    if key.startswith(("run.", "+", "~")) or "/" in key:
+        raise UserError(f"compare: '{key}' cannot be compared (the runs are named by compare itself)")
+    if len(set(vals)) != len(vals):
+        raise UserError(f"compare: a value of '{key}' is given twice in '{sweep}'")
+    return key, vals
+
+
+def run_label(key: str, value: str) -> str:
+    """A run name's part for KEY=VALUE: the key's last part and the value, filesystem-safe."""
+    import re
+
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{key.rsplit('.', 1)[-1]}-{value}").strip("_")
+
+
+def compare(cfg, key: str, values: list[str], overrides: list[str], *, log=print, out_suffix: str = "-compare",
+            json_name: str = "compare.json") -> dict:
+    """Train once per value (runs named <run.name>-<key's leaf>-<value>) on the data, target and seed of the
+    base config; returns the table's rows and writes the JSON and PNGs under <run.dir><out_suffix>/."""
+    from omegaconf import OmegaConf
+
+    from dflash_ray.config import compose_config
+    from dflash_ray.demo.world import make_demo_inputs, make_missing_inputs
+    from dflash_ray.runtime.cluster import ray_cluster
+    from dflash_ray.runtime.record.layout import RunLayout
+    from dflash_ray.runtime.record.ledger import read_jsonl
+    from dflash_ray.runtime.record.record import last_metrics
+    from dflash_ray.runtime.spec import resolve_spec
+    from dflash_ray.train import main_job
+
+    base_overrides = [o for o in overrides if not o.startswith(("run.name=", f"{key}="))]
+    for v in values:   # every value composes before anything trains (a typo fails in one line, at once)
+        compose_config([*base_overrides, f"{key}={v}"])
+    out_dir = Path(str(cfg.run.dir) + out_suffix)
+    rows = {}
+    with ray_cluster(OmegaConf.to_object(cfg.cluster), log=log):
+        # the data, target and held-out prompts every run shares (each run checks its own record, not the base's)
+        make_demo_inputs(cfg, log=log)
+        make_missing_inputs(cfg, log=log)
+        base = resolve_spec(cfg, log=log, record=False)
+        shared = [f"data.input={cfg.data.input}", f"data.tokenizer={base.tokenizer}", f"data.shards={base.shards}",
+                  f"model.target_path={base.target_path}"]
+        if base.heldout:
+            shared.append(f"data.prompts={base.heldout}")
+        for value in values:
+            run_cfg = compose_config([*base_overrides, *shared, f"run.name={cfg.run.name}-{run_label(key, value)}",
+                                      f"{key}={value}"])
+            log(f"compare: training with {key}={value}")
+            spec, summary = main_job(run_cfg, progress=False, log=lambda *a, **k: None, plan_log=lambda *a, **k: None)
+            metrics = last_metrics(spec.run_dir)
+            files = RunLayout(spec.run_dir)
+            tau = (summary.get("heldout_tau") or {}).get("trained") or {}
+            rows[value] = {
+                "final_loss": summary["final_loss"], "heldout_tau": tau.get("tau"),
+                "tokens": summary["tokens"], "block_tokens": summary.get("block_tokens"),
+                "block_tokens_per_token": summary.get("block_tokens_per_token"),
+                "train_seconds": train_seconds(metrics),
+                "tau_curve": tau_curve(metrics, read_jsonl(files.evals) if files.evals.exists() else []),
+                "losses": [m["loss"] for m in metrics],
+                **roughness([m["loss"] for m in metrics]),
+                **bucket_usage(read_jsonl(files.ledger), len(spec.plan.boundaries)),
+                "run_dir": spec.run_dir}
+    equal_time(rows)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    pngs = plot_comparison(rows, out_dir, f"the same drafter, data and seed; only {key} differs", out_dir.name)
+    (out_dir / json_name).write_text(json.dumps({"key": key, "runs": {k: report_row(v) for k, v in rows.items()}},
+                                                indent=2))
+    return {"key": key, "rows": rows, "pngs": [str(p) for p in pngs], "dir": str(out_dir)}
+
+
+def report_row(row: dict) -> dict:
+    return {k: v for k, v in row.items() if k not in ("losses", "buckets_in_order")}
+
+
+def train_seconds(metrics: list[dict]) -> float:
+    """Seconds of training steps (each step's step_seconds: data waits and compute; evaluations, which run
+    beside training in their own task, and start-up are not in it)."""
+    return float(sum(m.get("step_seconds", 0.0) for m in metrics))
+
+
+def tau_curve(metrics: list[dict], evals: list[dict]) -> list[dict]:
+    """Each in-training held-out tau with the training seconds and context tokens up to its step."""
+    secs, toks, out = {}, {}, []
+    s = t = 0.0
+    for m in metrics:
+        s += m.get("step_seconds", 0.0)
+        t += m.get("tokens", 0)
+        secs[int(m["step"])], toks[int(m["step"])] = s, t
+    for e in evals:
+        step = int(e["step"])
+        if step in secs:
+            out.append({"step": step, "tau": e["tau"], "train_seconds": secs[step], "tokens": int(toks[step])})
+    return out
+
+
+def equal_time(rows: dict) -> None:
+    """tau at the shortest run's training time T: the shortest run's final tau, and for each other run the
+    latest in-training evaluation at or before T (None when it had none by then: set train.heldout_every)."""
+    if not rows:
+        return
+    t_min = min(r["train_seconds"] for r in rows.values())
+    for r in rows.values():
+        r["equal_time_seconds"] = t_min
+        if r["train_seconds"] <= t_min:
+            r["tau_at_equal_time"] = r["heldout_tau"]
+            continue
+        before = [p for p in r["tau_curve"] if p["train_seconds"] <= t_min]
+        r["tau_at_equal_time"] = before[-1]["tau"] if before else None
+
+
+def compare_orders(cfg, overrides: list[str], *, log=print, strategies=STRATEGIES) -> dict:
+    """The batch-order experiment: compare over data.interleave (runs <run.name>-interleave-<strategy>,
+    report under <run.dir>-orders/)."""
+    return compare(cfg, "data.interleave", list(strategies), overrides, log=log, out_suffix="-orders",
+                   json_name="compare_orders.json")
+
+
+def format_comparison(rows: dict, key: str = "data.interleave") -> str:
+    def num(x, fmt):
+        return "-" if x is None else format(x, fmt)
+
+    t_eq = next(iter(rows.values())).get("equal_time_seconds") if rows else None
+    width = max([len(key)] + [len(v) for v in rows])
+    lines = [f"{key:>{width}} {'final loss':>10} {'tau':>6} {'tau@time':>8} {'tokens':>9} {'block tok':>10} "
+             f"{'blk/ctx':>7} {'train s':>8} {'|dloss|':>8} {'residual':>8} {'quarter dev':>11} {'1st end':>7}"]
+    for name, r in rows.items():
+        shares = np.asarray(r["quarter_shares_pct"]) if r["quarter_shares_pct"] else np.zeros((1, 1))
+        dev = float(np.abs(shares - shares.mean(axis=0)).max())
+        ends = [e for e in r["bucket_end_fraction"] if e is not None]
+        lines.append(f"{name:>{width}} {r['final_loss']:>10.4f} {num(r['heldout_tau'], '.2f'):>6} "
+                     f"{num(r.get('tau_at_equal_time'), '.2f'):>8} {r['tokens']:>9,} {num(r.get('block_tokens'), ','):>10} "
+                     f"{num(r.get('block_tokens_per_token'), '.2f'):>7} {r['train_seconds']:>8.0f} "
+                     f"{r['mean_abs_step_change']:>8.4f} {r['mean_abs_residual']:>8.4f} {dev:>9.1f}pp "
+                     f"{min(ends) if ends else float('nan'):>7.3f}")
+    lines.append(f"tau: held-out tau after training (equal target tokens: every run trains the same epochs); "
+                 f"tau@time: at equal training time, {num(t_eq, '.0f')} s (the shortest run's; the others' latest "
+                 f"in-training evaluation by then, train.heldout_every); quarter dev: the largest gap between a "
+                 f"quarter's bucket share and the epoch's; 1st end: where the first bucket ran out")
+    return "\n".join(lines)
+
+
+def plot_comparison(rows: dict, out_dir: Path, title: str, stem: str) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    for name, r in rows.items():
+        ax.plot(range(1, len(r["losses"]) + 1), r["losses"], label=name, lw=1)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("training loss")
+    ax.legend()
+    ax.set_title(title)
+    fig.tight_layout()
+    losses_png = out_dir / f"{_png_stem(stem)}_loss.png"
+    fig.savefig(losses_png, dpi=100)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(len(rows), 1, figsize=(10, 0.9 * len(rows) + 0.8), squeeze=False)
+    k = max((max(r["buckets_in_order"], default=0) for r in rows.values()), default=0) + 1
+    for ax, (name, r) in zip(axes[:, 0], rows.items()):
+        strip = np.asarray(r["buckets_in_order"] or [0])[None, :]
+        ax.imshow(strip, aspect="auto", cmap=plt.get_cmap("tab10", max(k, 2)), vmin=-0.5, vmax=max(k, 2) - 0.5,
+                  interpolation="nearest")
+        ax.set_yticks([])
+        ax.set_ylabel(name, rotation=0, ha="right", va="center")
+    axes[-1, 0].set_xlabel("batch of epoch 0, in training order (colour = length bucket)")
+    fig.tight_layout()
+    strips_png = out_dir / f"{_png_stem(stem)}_buckets.png"
+    fig.savefig(strips_png, dpi=100)
+    plt.close(fig)
+    return [losses_png, strips_png]
+
+
+def _png_stem(dir_name: str) -> str:
+    """compare_orders for the order experiment (its names since it existed), compare otherwise."""
+    return "compare_orders" if dir_name.endswith("-orders") else "compare"
