@@ -297,7 +297,7 @@ def test_dashboard_is_grafana_json_with_every_panel_on_the_prometheus_variable()
         assert p["datasource"]["uid"] == "${datasource}" and p["targets"], p["title"]
         for t in p["targets"]:
             assert 'run=~"$run"' in t["expr"], (p["title"], t["expr"])
-    wanted = {"ray_dflash_tokens_per_second", "ray_dflash_loss", "ray_dflash_heldout_tau", "ray_dflash_train_tau",
+    wanted = {"ray_dflash_tokens_per_second", "ray_dflash_block_tokens_per_second", "ray_dflash_loss", "ray_dflash_heldout_tau", "ray_dflash_train_tau",
               "ray_dflash_batch_bucket_bucket", "ray_dflash_target_busy_seconds_total",
               "ray_dflash_target_idle_fraction", "ray_dflash_batches_in_flight", "ray_dflash_checkpoint_seconds",
               "ray_dflash_failures_survived"}
