@@ -20,7 +20,7 @@ from dflash_ray.data.formats import BadRows, iter_conversations
 from dflash_ray.errors import UserError
 
 ROOT = Path(__file__).resolve().parent.parent
-COMMANDS = ["regenerate", "prepare", "plan", "order-stats", "train", "compare-orders", "eval", "export", "plot"]
+COMMANDS = ["regenerate", "prepare", "plan", "order-stats", "train", "compare", "compare-orders", "eval", "export", "plot"]
 
 
 def _flat(text: str) -> str:
@@ -55,7 +55,8 @@ def _schema_comment(field: str) -> str:
 @pytest.mark.parametrize("cmd,keys,sentence", [
     ("prepare", ["data.input", "data.tokenizer", "data.output", "data.on_bad_row", "data.chat_template_kwargs"],
      "Samples with fewer than 2 x model.block_size supervised tokens are dropped"),
-    ("plan", ["data.shards", "model.target_path", "model.anchors_per_batch", "cluster.device_memory_gb"],
+    ("plan", ["data.shards", "model.target_path", "model.max_block_tokens_per_batch", "model.anchors_per_batch",
+              "cluster.device_memory_gb"],
      "--check validates every token"),
     ("eval", ["drafter", "target", "data.prompts", "eval.max_new_tokens"], "exit 1 if it does not, in fp32"),
     ("regenerate", ["data.input", "model.target_path", "regenerate.output", "regenerate.max_new_tokens", "regenerate.on_max_tokens"],

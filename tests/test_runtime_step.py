@@ -196,3 +196,16 @@ def test_run_drafter_is_the_seeded_drafter_on_its_device(tmp_path, tied):
     assert torch.equal(drafter.head_weight, target.lm_head.weight)
     assert all(p.device.type == "cpu" for p in drafter.parameters())
     assert drafter.recompute_layers == tied
+
+
+def test_the_optimizer_is_the_fused_adamw_on_cuda_only(drafter_and_width):
+    """The H200 figures were measured with the fused AdamW kernel: the runtime takes the same path on CUDA
+    (not runnable here: no GPU) and torch's default on the CPU, whose runs stay bit-identical to before."""
+    from types import SimpleNamespace
+
+    from dflash_ray.runtime.training.model import adamw_fused, make_optimizer
+
+    assert adamw_fused("cuda") is True and adamw_fused("cpu") is None
+    drafter = copy.deepcopy(drafter_and_width[0])
+    opt, _ = make_optimizer(SimpleNamespace(lr=1e-3, weight_decay=0.0, warmup_ratio=0.0), drafter, 10)
+    assert isinstance(opt, torch.optim.AdamW) and not opt.defaults["fused"]
