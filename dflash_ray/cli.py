@@ -80,7 +80,8 @@ HELP = {
         "tau after training (equal target tokens) and at equal training time (the runs' in-training "
         "evaluations: set train.heldout_every), context and block tokens (the density), training seconds, "
         "loss roughness, quarter shares and bucket ends; writes compare.json and two PNGs into "
-        "<run.dir>-compare/. E.g. model.anchors_per_batch=null,32: the recipe's density against thinning.",
+        "<run.dir>-compare/. Other overrides with as many values move with KEY (run i takes each one's i-th). "
+        "E.g. model.anchors_per_batch=null,32: the recipe's density against thinning.",
         ("train.epochs", "train.heldout_every", "run.name")),
     "compare-orders": (
         "the same drafter trained once per interleave strategy, side by side",
@@ -326,10 +327,11 @@ def _dispatch(cmd: str, args) -> int:
         from dflash_ray.publish import take_export_override
 
         overrides, args.export = take_export_override(overrides)
-    if cmd == "compare":  # KEY=V1,V2 is compare's argument; the base config leaves KEY at what the rest says
-        from dflash_ray.runtime.jobs.compare import parse_sweep
+    if cmd == "compare":  # KEY=V1,V2 (and keys swept with it) are compare's; the base config is the rest
+        from dflash_ray.runtime.jobs.compare import take_sweeps
 
-        args.key, args.values = parse_sweep(args.sweep)
+        args.sweeps, overrides = take_sweeps(args.sweep, overrides)
+        args.overrides = overrides
     cfg = compose_config(overrides)
     if args.cfg == "job":
         print(to_yaml(cfg), end="")
@@ -597,7 +599,7 @@ def compare_command(cfg, args) -> int:
     from dflash_ray.runtime.jobs.compare import compare
 
     log = (lambda *a, **k: print(*a, file=sys.stderr, **k)) if args.json else print
-    return _print_comparison(compare(cfg, args.key, args.values, list(args.overrides), log=log), args.json)
+    return _print_comparison(compare(cfg, args.sweeps, list(args.overrides), log=log), args.json)
 
 
 def _print_comparison(result: dict, as_json: bool) -> int:

@@ -10,7 +10,7 @@ import pytest
 
 from dflash_ray.data.interleave import STRATEGIES
 from dflash_ray.errors import UserError
-from dflash_ray.runtime.jobs.compare import bucket_usage, equal_time, parse_sweep, roughness, tau_curve
+from dflash_ray.runtime.jobs.compare import bucket_usage, equal_time, parse_sweep, roughness, take_sweeps, tau_curve
 
 
 def test_roughness_by_hand():
@@ -41,6 +41,13 @@ def test_the_sweep_is_parsed_and_bad_ones_are_one_line():
                       ("train.lr=1e-3,1e-3", "given twice")):
         with pytest.raises(UserError, match=says):
             parse_sweep(bad)
+    # keys swept together: any other override with as many values; lists and single values stay overrides
+    sweeps, rest = take_sweeps("model.anchors_per_batch=32,null", ["model.max_block_tokens_per_batch=null,1024",
+                                                                   "data.bucket_boundaries=[64,128]", "train.lr=1e-3"])
+    assert sweeps == {"model.anchors_per_batch": ["32", "null"], "model.max_block_tokens_per_batch": ["null", "1024"]}
+    assert rest == ["data.bucket_boundaries=[64,128]", "train.lr=1e-3"]
+    with pytest.raises(UserError, match="as many values each"):
+        take_sweeps("model.anchors_per_batch=32,null", ["train.lr=1e-3,2e-3,3e-3"])
 
 
 def test_a_bad_value_or_key_stops_compare_before_anything_trains(tiny_data, tmp_path, capsys):

@@ -1,7 +1,9 @@
 """`dflash-ray compare KEY=V1,V2[,...] [overrides]`: one knob's values, trained side by side.
 
 The same drafter (same data, target, seed, hence the same initial weights) is trained once per value of
-KEY with everything else equal; `compare-orders` is its first use (KEY data.interleave: the seed run's
+KEY with everything else equal. More keys with as many values each (`KEY2=W1,W2` among the overrides:
+any override with two values or more) move together, run i taking every key's i-th value (a knob made of
+two keys, e.g. thinning = model.anchors_per_batch=32 with model.max_block_tokens_per_batch=null); `compare-orders` is its first use (KEY data.interleave: the seed run's
 batch-order experiment). Side by side: final training loss, held-out tau (after training: at equal
 target tokens, as every run trains the same epochs), held-out tau at equal training time (the in-training
 evaluations, train.heldout_every, of each run at the shortest run's training time), context tokens and
@@ -84,6 +86,28 @@ def parse_sweep(sweep: str) -> tuple[str, list[str]]:
     return key, vals
 
 
+def take_sweeps(sweep: str, overrides: list[str]) -> tuple[dict, list[str]]:
+    """({key: values} of the sweep and of every override with two values or more, in order; the other
+    overrides). Every swept key has as many values as the first."""
+    from dflash_ray.errors import UserError
+
+    key, values = parse_sweep(sweep)
+    sweeps, rest = {key: values}, []
+    for o in overrides:
+        k, eq, v = o.partition("=")
+        if eq and not k.startswith(("+", "~")) and len(split_values(v)) > 1:
+            k, vals = parse_sweep(o)
+            if k in sweeps:
+                raise UserError(f"compare: '{k}' is swept twice")
+            if len(vals) != len(values):
+                raise UserError(f"compare: '{k}' has {len(vals)} values and '{key}' {len(values)}: keys swept "
+                                "together need as many values each (run i takes every key's i-th)")
+            sweeps[k] = vals
+        else:
+            rest.append(o)
+    return sweeps, rest
+
+
 def run_label(key: str, value: str) -> str:
     """A run name's part for KEY=VALUE: the key's last part and the value, filesystem-safe."""
     import re
@@ -91,10 +115,11 @@ def run_label(key: str, value: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]+", "_", f"{key.rsplit('.', 1)[-1]}-{value}").strip("_")
 
 
-def compare(cfg, key: str, values: list[str], overrides: list[str], *, log=print, out_suffix: str = "-compare",
+def compare(cfg, sweeps: dict, overrides: list[str], *, log=print, out_suffix: str = "-compare",
             json_name: str = "compare.json") -> dict:
-    """Train once per value (runs named <run.name>-<key's leaf>-<value>) on the data, target and seed of the
-    base config; returns the table's rows and writes the JSON and PNGs under <run.dir><out_suffix>/."""
+    """Train once per value of the swept keys ({key: values}, run i with every key's i-th value; runs named
+    <run.name>-<key's leaf>-<value>...) on the data, target and seed of the base config; returns the
+    table's rows and writes the JSON and PNGs under <run.dir><out_suffix>/."""
     from omegaconf import OmegaConf
 
     from dflash_ray.config import compose_config
@@ -106,9 +131,12 @@ def compare(cfg, key: str, values: list[str], overrides: list[str], *, log=print
     from dflash_ray.runtime.spec import resolve_spec
     from dflash_ray.train import main_job
 
-    base_overrides = [o for o in overrides if not o.startswith(("run.name=", f"{key}="))]
-    for v in values:   # every value composes before anything trains (a typo fails in one line, at once)
-        compose_config([*base_overrides, f"{key}={v}"])
+    keys = list(sweeps)
+    key = " / ".join(keys)
+    runs = [[f"{k}={sweeps[k][i]}" for k in keys] for i in range(len(sweeps[keys[0]]))]
+    base_overrides = [o for o in overrides if not o.startswith(("run.name=", *(f"{k}=" for k in keys)))]
+    for setting in runs:   # every value composes before anything trains (a typo fails in one line, at once)
+        compose_config([*base_overrides, *setting])
     out_dir = Path(str(cfg.run.dir) + out_suffix)
     rows = {}
     with ray_cluster(OmegaConf.to_object(cfg.cluster), log=log):
@@ -120,10 +148,11 @@ def compare(cfg, key: str, values: list[str], overrides: list[str], *, log=print
                   f"model.target_path={base.target_path}"]
         if base.heldout:
             shared.append(f"data.prompts={base.heldout}")
-        for value in values:
-            run_cfg = compose_config([*base_overrides, *shared, f"run.name={cfg.run.name}-{run_label(key, value)}",
-                                      f"{key}={value}"])
-            log(f"compare: training with {key}={value}")
+        for setting in runs:
+            value = " / ".join(x.partition("=")[2] for x in setting)
+            label = "-".join(run_label(*x.split("=", 1)) for x in setting)
+            run_cfg = compose_config([*base_overrides, *shared, f"run.name={cfg.run.name}-{label}", *setting])
+            log(f"compare: training with {' '.join(setting)}")
             spec, summary = main_job(run_cfg, progress=False, log=lambda *a, **k: None, plan_log=lambda *a, **k: None)
             metrics = last_metrics(spec.run_dir)
             files = RunLayout(spec.run_dir)
@@ -141,7 +170,8 @@ def compare(cfg, key: str, values: list[str], overrides: list[str], *, log=print
     equal_time(rows)
     out_dir.mkdir(parents=True, exist_ok=True)
     pngs = plot_comparison(rows, out_dir, f"the same drafter, data and seed; only {key} differs", out_dir.name)
-    (out_dir / json_name).write_text(json.dumps({"key": key, "runs": {k: report_row(v) for k, v in rows.items()}},
+    (out_dir / json_name).write_text(json.dumps({"key": key, "keys": keys,
+                                                 "runs": {k: report_row(v) for k, v in rows.items()}},
                                                 indent=2))
     return {"key": key, "rows": rows, "pngs": [str(p) for p in pngs], "dir": str(out_dir)}
 
@@ -189,7 +219,7 @@ def equal_time(rows: dict) -> None:
 def compare_orders(cfg, overrides: list[str], *, log=print, strategies=STRATEGIES) -> dict:
     """The batch-order experiment: compare over data.interleave (runs <run.name>-interleave-<strategy>,
     report under <run.dir>-orders/)."""
-    return compare(cfg, "data.interleave", list(strategies), overrides, log=log, out_suffix="-orders",
+    return compare(cfg, {"data.interleave": list(strategies)}, overrides, log=log, out_suffix="-orders",
                    json_name="compare_orders.json")
 
 
