@@ -7,7 +7,9 @@ greedy answer, as a Ray Data job.
                                                      cluster has (regeneration is the cluster's only job);
                                                      on CPUs cluster.target_workers (a custom resource);
                                                      batched greedy generation with a KV cache
-      -> appended to the output .jsonl as batches finish, ready for `prepare`
+      -> appended to the output .jsonl in the input's order (Ray Data's preserve_order: `prepare` numbers
+         conversations by their place in the file, so completion order must not reach the sample ids),
+         ready for `prepare`
 
 Rendered as `prepare` renders (data/supervision.py's Rendering: data.chat_template_kwargs, the row's tools
 and system prompt), so each regenerated turn is supervised in `prepare` exactly as it was generated, when
@@ -185,30 +187,37 @@ def regenerate(input_path: str, output_path: str, *, target_dir: str, tokenizer_
         blocks = max(1, -(-len(todo) // per_block))
         gpus = ray.cluster_resources().get("GPU") if cluster.use_gpu else None
         counts["actors"] = actors = min(actor_pool_size(cluster, gpus), blocks)
-        ds = ray.data.from_items([{"row": json.dumps(r, ensure_ascii=False, default=str)} for r in todo],
-                                 override_num_blocks=blocks)
-        ds = ds.map_batches(
-            RegenerateActor, batch_size=per_block, compute=ActorPoolStrategy(size=actors),
-            fn_constructor_kwargs=dict(target_dir=str(target_dir), tokenizer_dir=str(tokenizer_dir),
-                                       max_new_tokens=max_new_tokens, batch_size=batch_size, use_gpu=cluster.use_gpu,
-                                       on_max_tokens=on_max_tokens, template_kwargs=template_kwargs,
-                                       gpu_share=cluster.target_gpus if cluster.use_gpu else 1.0, dtype=dtype,
-                                       # CPUs: regeneration is the machine's only job, its cores shared out
-                                       threads=max(1, (os.cpu_count() or 1) // actors)),
-            **res)
-        t0, finished = time.monotonic(), 0
-        with open(out, "a", encoding="utf-8") as f:
-            for batch in ds.iter_batches(batch_size=None, batch_format="numpy"):
-                for line in batch["line"]:
-                    if line:
-                        f.write(line + "\n")
-                        counts["written"] += 1
-                for c in batch["counts"]:
-                    if c:
-                        counts.update(json.loads(c))
-                f.flush()
-                finished += len(batch["line"])
-                log(f"regenerate: {finished}/{len(todo)} conversations in {time.monotonic() - t0:.0f} s")
+        # the output in the input's order whatever order the actor's batches finish in (a run of the demo world
+        # wrote batch 32-63 before 0-31 and trained on other sample ids than the run before it)
+        ctx = ray.data.DataContext.get_current()
+        preserve, ctx.execution_options.preserve_order = ctx.execution_options.preserve_order, True
+        try:
+            ds = ray.data.from_items([{"row": json.dumps(r, ensure_ascii=False, default=str)} for r in todo],
+                                     override_num_blocks=blocks)
+            ds = ds.map_batches(
+                RegenerateActor, batch_size=per_block, compute=ActorPoolStrategy(size=actors),
+                fn_constructor_kwargs=dict(target_dir=str(target_dir), tokenizer_dir=str(tokenizer_dir),
+                                           max_new_tokens=max_new_tokens, batch_size=batch_size, use_gpu=cluster.use_gpu,
+                                           on_max_tokens=on_max_tokens, template_kwargs=template_kwargs,
+                                           gpu_share=cluster.target_gpus if cluster.use_gpu else 1.0, dtype=dtype,
+                                           # CPUs: regeneration is the machine's only job, its cores shared out
+                                           threads=max(1, (os.cpu_count() or 1) // actors)),
+                **res)
+            t0, finished = time.monotonic(), 0
+            with open(out, "a", encoding="utf-8") as f:
+                for batch in ds.iter_batches(batch_size=None, batch_format="numpy"):
+                    for line in batch["line"]:
+                        if line:
+                            f.write(line + "\n")
+                            counts["written"] += 1
+                    for c in batch["counts"]:
+                        if c:
+                            counts.update(json.loads(c))
+                    f.flush()
+                    finished += len(batch["line"])
+                    log(f"regenerate: {finished}/{len(todo)} conversations in {time.monotonic() - t0:.0f} s")
+        finally:
+            ctx.execution_options.preserve_order = preserve
     summary = dict(sorted(counts.items()))
     log(f"regenerated {counts['written']} conversations -> {out} ({', '.join(f'{k}: {v}' for k, v in summary.items())})")
     return summary
