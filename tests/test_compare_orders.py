@@ -37,8 +37,7 @@ def test_the_sweep_is_parsed_and_bad_ones_are_one_line():
     assert parse_sweep("data.bucket_boundaries=[64,128],[128,256],[512]") == (
         "data.bucket_boundaries", ["[64,128]", "[128,256]", "[512]"])
     for bad, says in (("model.anchors_per_batch=32", "two values at least"), ("model.block_size", "KEY=V1,V2"),
-                      ("train.lr=1e-3,", "KEY=V1,V2"), ("run.name=a,b", "cannot be compared"),
-                      ("train.lr=1e-3,1e-3", "given twice")):
+                      ("train.lr=1e-3,", "KEY=V1,V2"), ("run.name=a,b", "cannot be compared")):
         with pytest.raises(UserError, match=says):
             parse_sweep(bad)
     # keys swept together: any other override with as many values; lists and single values stay overrides
@@ -48,6 +47,11 @@ def test_the_sweep_is_parsed_and_bad_ones_are_one_line():
     assert rest == ["data.bucket_boundaries=[64,128]", "train.lr=1e-3"]
     with pytest.raises(UserError, match="as many values each"):
         take_sweeps("model.anchors_per_batch=32,null", ["train.lr=1e-3,2e-3,3e-3"])
+    # a value may repeat in one key when the runs differ in another; a whole run may not
+    assert take_sweeps("model.anchors_per_batch=null,32,32", ["train.epochs=8,8,13"])[0]["train.epochs"] == ["8", "8", "13"]
+    for sweep, more in (("train.lr=1e-3,1e-3", []), ("model.anchors_per_batch=32,32", ["train.epochs=8,8"])):
+        with pytest.raises(UserError, match="given twice"):
+            take_sweeps(sweep, more)
 
 
 def test_a_bad_value_or_key_stops_compare_before_anything_trains(tiny_data, tmp_path, capsys):

@@ -81,8 +81,6 @@ def parse_sweep(sweep: str) -> tuple[str, list[str]]:
         raise UserError(f"compare: expected KEY=V1,V2[,...] (two values at least), got '{sweep}'")
     if key.startswith(("run.", "+", "~")) or "/" in key:
         raise UserError(f"compare: '{key}' cannot be compared (the runs are named by compare itself)")
-    if len(set(vals)) != len(vals):
-        raise UserError(f"compare: a value of '{key}' is given twice in '{sweep}'")
     return key, vals
 
 
@@ -105,6 +103,10 @@ def take_sweeps(sweep: str, overrides: list[str]) -> tuple[dict, list[str]]:
             sweeps[k] = vals
         else:
             rest.append(o)
+    runs = list(zip(*sweeps.values()))
+    if len(set(runs)) != len(runs):
+        raise UserError(f"compare: a run is given twice ({', '.join(sweeps)} = {', '.join(runs[0])} ...): each "
+                        "run needs its own values")
     return sweeps, rest
 
 
