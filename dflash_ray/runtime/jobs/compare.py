@@ -242,7 +242,7 @@ def format_comparison(rows: dict, key: str = "data.interleave") -> str:
                      f"{num(r.get('block_tokens_per_token'), '.2f'):>7} {r['train_seconds']:>8.0f} "
                      f"{r['mean_abs_step_change']:>8.4f} {r['mean_abs_residual']:>8.4f} {dev:>9.1f}pp "
                      f"{min(ends) if ends else float('nan'):>7.3f}")
-    lines.append(f"tau: held-out tau after training (equal target tokens: every run trains the same epochs); "
+    lines.append(f"tau: held-out tau after training (at equal target tokens where the runs train the same epochs); "
                  f"tau@time: at equal training time, {num(t_eq, '.0f')} s (the shortest run's; the others' latest "
                  f"in-training evaluation by then, train.heldout_every); quarter dev: the largest gap between a "
                  f"quarter's bucket share and the epoch's; 1st end: where the first bucket ran out")
