@@ -216,6 +216,14 @@ def test_capacity_model_balances_the_pipeline():
     # with 17,857 context tokens/s a GPU, the best split is 6 + 2 (min(30000, 35714))
     thin = capacity_report(cfg, {"tokens": 3_600_000, "block_tokens_per_token": 0.56})["capacity"]
     assert (thin["best"]["target"], thin["best"]["drafter"]) == (6, 2) and thin["best"]["tokens_per_second"] == 30000
+    # one GPU shared by a target actor and a drafter worker: colocated is the only layout, and the configured one
+    one = _Node(name="1gpu", use_gpu=True, target_workers=1, drafter_workers=1, target_gpus=0.5, drafter_gpus=0.5,
+                target_tokens_per_gpu=5000.0, drafter_block_tokens_per_gpu=10000.0)
+    rep1 = capacity_report(SimpleNamespace(cluster=one, run=cfg.run, model=cfg.model),
+                           {"tokens": 3_600_000, "block_tokens_per_token": 4.0})
+    assert rep1["capacity"]["best"] is None and rep1["capacity"]["configured"]["layout"] == "colocated"
+    assert rep1["capacity"]["tokens_per_second"] == pytest.approx(1 / (1 / 5000 + 1 / 2500))
+    assert "capacity model (1gpu: 1 GPU)" in rep1["text"][0]
     # the old key (context tokens/s of a drafter, meaningless without a density) is named with its successor
     with pytest.raises(UserError, match="cluster.drafter_block_tokens_per_gpu"):
         compose_config(["cluster.drafter_tokens_per_gpu=1000"])

@@ -110,20 +110,25 @@ def node_split(nodes: int, gpus_per_node: int, target_workers: int, drafter_work
 def capacity_report(cfg, plan_summary: dict, feature_bytes_per_token: float | None = None) -> dict:
     c = cfg.cluster
     gpus = c.target_workers * (c.target_gpus if c.use_gpu else 1) + c.drafter_workers * (c.drafter_gpus if c.use_gpu else 1)
-    n = max(2, round(gpus))
-    shared = c.use_gpu and (c.target_gpus < 1 or c.drafter_gpus < 1)
-    unit = "GPUs" if c.use_gpu else "devices (CPU actors)"
+    n = max(1, round(gpus))
+    shared = c.use_gpu and (c.target_gpus < 1 or c.drafter_gpus < 1)   # processes sharing GPUs: colocated
+    unit = ("GPU" if n == 1 else "GPUs") if c.use_gpu else "devices (CPU actors)"
     t_rate, block_rate, source = _rates(cfg)
     rho = plan_summary.get("block_tokens_per_token") or 1.0
     d_rate = block_rate / rho                     # the drafter's context tokens/s per GPU at this density
-    model = best_split(n, t_rate, d_rate)
-    best = model["best"]
     together = colocated(n, t_rate, d_rate)
-    configured = (None if shared or c.target_workers + c.drafter_workers != n
-                  else next(s for s in model["splits"] if s["target"] == c.target_workers))
+    best = best_split(n, t_rate, d_rate)["best"] if n >= 2 else None   # one GPU: colocated only
+    if shared:
+        configured = {"layout": "colocated", "tokens_per_second": together["tokens_per_second"]}
+    elif best and c.target_workers + c.drafter_workers == n:
+        configured = {"layout": "split", **next(s for s in best_split(n, t_rate, d_rate)["splits"]
+                                                if s["target"] == c.target_workers)}
+    else:
+        configured = None
     tokens = plan_summary.get("tokens") or 0
-    winner = "colocated" if together["tokens_per_second"] > best["tokens_per_second"] else "split"
-    top = max(together["tokens_per_second"], best["tokens_per_second"])
+    split_tps = best["tokens_per_second"] if best else 0.0
+    winner = "colocated" if together["tokens_per_second"] > split_tps else "split"
+    top = max(together["tokens_per_second"], split_tps)
     cap = {"devices": n, "target_tokens_per_gpu": t_rate, "drafter_block_tokens_per_gpu": block_rate,
            "drafter_tokens_per_gpu": d_rate, "block_tokens_per_token": rho, "source": source,
            "configured": configured, "best": best, "colocated": together, "best_layout": winner,
@@ -135,12 +140,16 @@ def capacity_report(cfg, plan_summary: dict, feature_bytes_per_token: float | No
         f"  target {t_rate:,.0f} context tokens/s per device; drafter {block_rate:,.0f} block tokens/s per device "
         f"= {d_rate:,.0f} context tokens/s at this plan's {rho:.2f} block tokens per context token",
     ]
-    if configured:
+    if configured and configured["layout"] == "split":
         text.append(f"  configured split {configured['target']} target + {configured['drafter']} drafter: "
                     f"{_both(configured['tokens_per_second'], rho)} ({_bound(configured)})")
-    text += [f"  best split       {best['target']} target + {best['drafter']} drafter: "
-             f"{_both(best['tokens_per_second'], rho)} ({_bound(best)})",
-             f"  colocated        {n} x (target + drafter), GPU time {together['target_share']:.0%} target / "
+    elif configured:
+        text.append(f"  configured: colocated (GPU shares cluster.target_gpus {c.target_gpus:g}, cluster.drafter_gpus "
+                    f"{c.drafter_gpus:g}): {_both(configured['tokens_per_second'], rho)}")
+    if best:
+        text.append(f"  best split       {best['target']} target + {best['drafter']} drafter: "
+                    f"{_both(best['tokens_per_second'], rho)} ({_bound(best)})")
+    text += [f"  colocated        {n} x (target + drafter), GPU time {together['target_share']:.0%} target / "
              f"{together['drafter_share']:.0%} drafter: {_both(together['tokens_per_second'], rho)} "
              f"(cluster.target_workers={n} cluster.drafter_workers={n} cluster.target_gpus=0.5 "
              f"cluster.drafter_gpus=0.5; the two processes' interference on a GPU is not modelled)",
@@ -150,7 +159,7 @@ def capacity_report(cfg, plan_summary: dict, feature_bytes_per_token: float | No
                     + (f"{_duration(cap['epoch_hours_configured'])} configured, " if configured else "")
                     + f"{_duration(cap['epoch_hours_best'])} at the best layout")
     nodes = c.get("nodes", 1)   # (a stand-in cluster without the key: one node)
-    if nodes > 1 and configured:
+    if nodes > 1 and configured and configured["layout"] == "split":
         per = n // nodes
         split = node_split(nodes, per, c.target_workers, c.drafter_workers, t_rate, d_rate,
                            feature_bytes_per_token)
