@@ -41,6 +41,10 @@ class PlanSpec:
     anchors_per_batch: int | None = None    # thinning: anchors per batch at most (None: num_anchors per row only)
     max_block_tokens_per_batch: int | None = None  # the drafter's budget per batch, cut by the plan (None: none)
 
+    def row_anchors(self, valid: np.ndarray) -> np.ndarray:
+        """Anchors each row trains at the recipe's density: its valid anchors, num_anchors at most."""
+        return valid if self.num_anchors is None else np.minimum(valid, self.num_anchors)
+
     def batch_anchor_cap(self) -> int | None:
         """Anchors a batch trains at most: the thinning cap and the drafter's budget, whichever is lower (a
         single row with more valid anchors than the budget is thinned to it, the only case the cut cannot
@@ -180,7 +184,7 @@ class Plan:
         """(anchors the drafter trains, valid anchors) per batch: each row contributes min(num_anchors,
         its valid anchors), the batch at most anchors_per_batch (the step's anchor_quota)."""
         valid = self.anchors
-        per_row = valid if self.plan_spec.num_anchors is None else np.minimum(valid, self.plan_spec.num_anchors)
+        per_row = self.plan_spec.row_anchors(valid)
         csum = np.concatenate([[0], np.cumsum(per_row)])
         wanted = csum[self.offsets[1:]] - csum[self.offsets[:-1]]
         vsum = np.concatenate([[0], np.cumsum(valid)])
@@ -292,10 +296,9 @@ def build_plan(sample_ids, num_tokens, plan_spec: PlanSpec, *, num_supervised=No
     anchors = np.maximum(np.minimum(sup, bk.length) - 1, 0)
     rng = np.random.default_rng([int(seed), int(epoch), 1000])  # its own stream: interleave salts are 0..4
     budget = plan_spec.max_block_tokens_per_batch
-    per_row = anchors if plan_spec.num_anchors is None else np.minimum(anchors, plan_spec.num_anchors)
     batches = form_batches(bk.length, bk.bucket, plan_spec.boundaries, plan_spec.max_tokens_per_batch,
                            plan_spec.chunk_batches, rng, attention_tokens=plan_spec.attention_tokens,
-                           row_anchors=None if budget is None else per_row,
+                           row_anchors=None if budget is None else plan_spec.row_anchors(anchors),
                            max_anchors=None if budget is None else budget // plan_spec.block_size)
     if batches.bucket.size == 0:
         raise UserError(f"no samples left to plan: {sample_ids.size} in, {bk.dropped_short} shorter than "

@@ -117,12 +117,12 @@ def capacity_report(cfg, plan_summary: dict, feature_bytes_per_token: float | No
     rho = plan_summary.get("block_tokens_per_token") or 1.0
     d_rate = block_rate / rho                     # the drafter's context tokens/s per GPU at this density
     together = colocated(n, t_rate, d_rate)
-    best = best_split(n, t_rate, d_rate)["best"] if n >= 2 else None   # one GPU: colocated only
+    splits = best_split(n, t_rate, d_rate) if n >= 2 else None   # one GPU: colocated only
+    best = splits["best"] if splits else None
     if shared:
         configured = {"layout": "colocated", "tokens_per_second": together["tokens_per_second"]}
-    elif best and c.target_workers + c.drafter_workers == n:
-        configured = {"layout": "split", **next(s for s in best_split(n, t_rate, d_rate)["splits"]
-                                                if s["target"] == c.target_workers)}
+    elif splits and c.target_workers + c.drafter_workers == n:
+        configured = {"layout": "split", **next(s for s in splits["splits"] if s["target"] == c.target_workers)}
     else:
         configured = None
     tokens = plan_summary.get("tokens") or 0
