@@ -175,7 +175,7 @@ def _check_handed_over(events, seen, cost, upload):
 
     from dflash_ray.runtime.training.checkpoint import read_state
 
-    assert events == [("before_register", ["checkpoint_bytes", "checkpoint_write_seconds"]), "report"]
+    assert events == [("before_register", ["checkpoint_bytes", "checkpoint_write", "checkpoint_write_seconds"]), "report"]
     assert seen["files"] == ["drafter.safetensors", "optim.pt", "rng_rank0.pt", "state.json"]
     assert seen["metrics"] == {"cursor_epoch": 0, "cursor_position": 4, "cursor_step": 2, "step": 2, "loss": 1.0}
     assert cost["checkpoint_write_seconds"] > 0
@@ -284,3 +284,74 @@ def test_unregistered_checkpoint_directories_are_removed_and_registered_ones_kep
     assert {p.name for p in exp.iterdir()} == {"checkpoint_a", "checkpoint_c", "checkpoint_file",
                                                 "checkpoint_pending", SNAPSHOT, "not_a_checkpoint"}
     assert remove_unregistered_checkpoints(str(tmp_path / "absent")) == []
+
+
+def test_async_checkpoint_writes_a_snapshot_of_the_step_in_the_upload_thread(monkeypatch, tmp_path):
+    """upload=async with host buffers (what every worker does): the step pays a host copy of rank 0's state
+    and nothing is written before `report`; the files are written in the upload function (Ray Train's
+    background thread) from the snapshot, so a later step that changes the weights, the optimizer state and
+    the RNG in place does not reach the checkpoint of this one."""
+    import pickle
+
+    import ray.train
+    from safetensors.torch import load_file
+
+    from dflash_ray.runtime.training.checkpoint import HostBuffers, read_state, save_checkpoint
+
+    model, opt, sched = _model()
+
+    def train_step():
+        opt.zero_grad()
+        model(torch.ones(2, 4)).pow(2).sum().backward()
+        opt.step()
+        sched.step()
+
+    train_step()
+    want_weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    want_avg = {i: s["exp_avg"].clone() for i, s in opt.state_dict()["state"].items()}
+    persisted, seen, uploaded = [], {}, []
+
+    class Storage:
+        storage_filesystem = None
+
+        def persist_current_checkpoint(self, checkpoint, name):
+            persisted.append(sorted(os.listdir(checkpoint.path)))
+            return "persisted"
+
+        def build_checkpoint_path_from_name(self, name):
+            return f"/storage/{name}"
+
+    monkeypatch.setattr(ray.train, "get_context", lambda: type("Ctx", (), {"get_storage": lambda self: Storage()})())
+    monkeypatch.setattr(ray.train, "report", lambda metrics, checkpoint=None, **kw: seen.update(
+        kw, path=checkpoint.path, checkpoint=checkpoint, files=sorted(os.listdir(checkpoint.path))))
+    host = HostBuffers()
+    torch.manual_seed(7)
+    rng_at_step = torch.get_rng_state()
+    cost = save_checkpoint(rank=0, world_size=1, drafter=model, optimizer=opt, scheduler=sched,
+                           cursor=Cursor(0, 4, 2), metrics={"step": 2}, upload="async", host=host,
+                           on_uploaded=uploaded.append)
+    try:
+        assert seen["files"] == [] and not host.idle.is_set()     # nothing written on the step's path
+        # by hand: Linear(4, 3) holds 12 + 3 fp32 values (60 bytes); AdamW two moments of each (120) and a
+        # fp32 step counter per parameter tensor (2 x 4)
+        assert cost == {"checkpoint_write_seconds": cost["checkpoint_write_seconds"], "checkpoint_bytes": 60 + 120 + 8,
+                        "checkpoint_write": "background"}
+        train_step()                                                # the next steps change everything in place
+        torch.rand(100)
+        assert not torch.equal(model.weight, want_weights["weight"])
+        assert seen["checkpoint_upload_fn"](seen["checkpoint"], "checkpoint_x") == "persisted"
+        assert host.idle.is_set() and len(uploaded) == 1 and uploaded[0] > 0
+        assert persisted == [["drafter.safetensors", "optim.pt", "rng_rank0.pt", "state.json"]]
+        path = Path(seen["path"])
+        assert read_state(path)["cursor"] == {"epoch": 0, "position": 4, "step": 2}
+        got = load_file(str(path / "drafter.safetensors"))
+        assert all(torch.equal(got[k], want_weights[k]) for k in want_weights)
+        saved = torch.load(path / "optim.pt", weights_only=False)["optimizer"]["state"]
+        assert all(torch.equal(saved[i]["exp_avg"], want_avg[i]) for i in want_avg)
+        assert not torch.equal(saved[0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+        with open(path / "rng_rank0.pt", "rb") as f:
+            assert torch.equal(pickle.load(f)["torch"], rng_at_step)
+    finally:
+        import shutil
+
+        shutil.rmtree(seen.get("path", "/nonexistent"), ignore_errors=True)

@@ -150,7 +150,7 @@ class RecordClient:
         if self.rank == 0:
             self.record.checkpoint_done.remote(step, seconds, attempt=self.attempt, upload=upload,
                                                write_seconds=cost.get("checkpoint_write_seconds"),
-                                               nbytes=cost.get("checkpoint_bytes"))
+                                               nbytes=cost.get("checkpoint_bytes"), write=cost.get("checkpoint_write"))
 
     def fault_injected(self, kind: str, **info) -> None:
         """Test-only (DFLASH_TEST_FAULTS): logged and waited for before the fault is acted out."""

@@ -257,11 +257,15 @@ class RunRecord:
         return c
 
     def checkpoint_done(self, step: int, seconds: float, *, attempt=None, upload: str | None = None,
-                        write_seconds: float | None = None, nbytes: int | None = None) -> None:
+                        write_seconds: float | None = None, nbytes: int | None = None,
+                        write: str | None = None) -> None:
         """Rank 0's `ray.train.report` of the checkpoint of `step` returned: training waited `seconds`
-        for it (the write, the ledger, the barrier, and the upload unless it is async)."""
-        self._checkpoint(attempt, step).update(seconds=float(seconds), upload=upload, write_seconds=write_seconds,
-                                               bytes=nbytes)
+        for it (the write or, with write="background", the host snapshot; the ledger, the barrier, and the
+        upload unless it is async)."""
+        c = self._checkpoint(attempt, step)
+        c.update(seconds=float(seconds), upload=upload, write_seconds=write_seconds, bytes=nbytes)
+        if write is not None:
+            c["write"] = write
         # the step's own line is written before its checkpoint: what training waited goes on the next one
         self.pending_metrics.update(checkpoint_seconds=float(seconds), checkpoint_seconds_step=int(step))
         self.gauges.checkpoint(seconds=float(seconds), nbytes=nbytes)

@@ -27,13 +27,16 @@ workers check that the two agree and fail loudly if they do not.
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import pickle
 import random
 import shutil
 import tempfile
+import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -58,10 +61,10 @@ def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
 
 
-def write_rank_files(out_dir: Path, rank: int) -> None:
+def write_rank_files(out_dir: Path, rank: int, rng: dict | None = None) -> None:
     try:
         with open(out_dir / f"rng_rank{rank}.pt", "wb") as f:
-            pickle.dump(rng_state(), f)
+            pickle.dump(rng if rng is not None else rng_state(), f)
     except Exception as e:
         raise local_write_error(out_dir, e) from e
 
@@ -83,27 +86,90 @@ def local_write_error(out_dir: Path, e: Exception) -> OSError:
     return OSError(code, f"{out_dir}: {os.strerror(code)} ({space}); {type(e).__name__}: {first}")
 
 
-def write_checkpoint(out_dir: Path, *, drafter, optimizer, scheduler, cursor: Cursor, world_size: int,
-                     extra: dict | None = None, fault_pause=None) -> None:
-    """Rank 0's files (the other ranks call write_rank_files only). state.json, with the manifest, is
-    written last. `fault_pause()`: test-only, called once the weights are written (a half-written
-    checkpoint to kill a process in)."""
+@dataclass
+class StateSnapshot:
+    """Rank 0's training state as a checkpoint writes it: host tensors that training no longer touches
+    (copies in HostBuffers) or may still touch (the live tensors' host views: write them at once)."""
+    weights: dict      # drafter state_dict name -> host tensor
+    optim: dict        # {"optimizer": ..., "scheduler": ...}, tensors on the host
+    rng: dict          # rank 0's RNG states at the step (rng_state())
+    nbytes: int        # the tensors' bytes
+
+
+class HostBuffers:
+    """Reused host copies of rank 0's state for a write off the step's path (`train.checkpoint_upload:
+    async`): pinned on CUDA, where a device-to-host copy into pinned memory runs at ~55 GB/s against ~8 GB/s
+    pageable (the H200's figures), so the step waits for a copy, not for a 12.6 GB file write. One set of
+    buffers: a snapshot waits for the previous one's background write to end before it overwrites them."""
+
+    def __init__(self):
+        self.tensors: dict = {}
+        self.idle = threading.Event()
+        self.idle.set()
+
+    def copy(self, key, t: torch.Tensor) -> torch.Tensor:
+        buf = self.tensors.get(key)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.device.type == "cuda")
+            self.tensors[key] = buf
+        buf.copy_(t.detach(), non_blocking=t.device.type == "cuda")
+        return buf
+
+
+def _map_tensors(obj, fn, path=()):
+    if isinstance(obj, torch.Tensor):
+        return fn(path, obj)
+    if isinstance(obj, dict):
+        return {k: _map_tensors(v, fn, path + (k,)) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_map_tensors(v, fn, path + (i,)) for i, v in enumerate(obj))
+    return copy.deepcopy(obj)
+
+
+def capture_state(drafter, optimizer, scheduler, host: HostBuffers | None = None) -> StateSnapshot:
+    """Rank 0's state now. With `host`: copies in its buffers (after the previous background write is
+    done with them), which later steps cannot change; without: the live tensors' host views (a CPU
+    tensor is itself), to be written before the next step."""
+    module = getattr(drafter, "module", drafter)
+    if host is not None:
+        host.idle.wait()
+        take = host.copy
+    else:
+        def take(_key, t):
+            return t.detach().cpu()
+    weights = {k: take(("w", k), v).contiguous() for k, v in module.state_dict().items()}
+    optim = _map_tensors({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()},
+                         lambda path, t: take(("o",) + path, t))
+    if host is not None and torch.cuda.is_available():
+        torch.cuda.synchronize()   # the non-blocking copies into pinned memory have landed
+    sizes: list = []
+    _map_tensors(optim, lambda _path, t: sizes.append(t.numel() * t.element_size()))
+    nbytes = sum(t.numel() * t.element_size() for t in weights.values()) + sum(sizes)
+    return StateSnapshot(weights=weights, optim=optim, rng=rng_state(), nbytes=nbytes)
+
+
+def write_checkpoint(out_dir: Path, *, drafter=None, optimizer=None, scheduler=None, cursor: Cursor,
+                     world_size: int, extra: dict | None = None, fault_pause=None,
+                     snapshot: StateSnapshot | None = None) -> None:
+    """Rank 0's files (the other ranks call write_rank_files only), from `snapshot` or from the live
+    drafter/optimizer/scheduler. state.json, with the manifest, is written last. `fault_pause()`:
+    test-only, called once the weights are written (a half-written checkpoint to kill a process in)."""
     from safetensors.torch import save_file
 
-    module = getattr(drafter, "module", drafter)
-    state = {k: v.detach().cpu().contiguous() for k, v in module.state_dict().items()}
+    if snapshot is None:
+        snapshot = capture_state(drafter, optimizer, scheduler)
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
-        save_file(state, str(out_dir / WEIGHTS), metadata={"format": "pt"})
+        save_file(snapshot.weights, str(out_dir / WEIGHTS), metadata={"format": "pt"})
     except Exception as e:
         raise local_write_error(out_dir, e) from e
     if fault_pause is not None:
         fault_pause()
     try:
-        torch.save({"optimizer": optimizer.state_dict(), "scheduler": scheduler.state_dict()}, out_dir / OPTIM)
+        torch.save(snapshot.optim, out_dir / OPTIM)
     except Exception as e:
         raise local_write_error(out_dir, e) from e
-    write_rank_files(out_dir, 0)
+    write_rank_files(out_dir, 0, snapshot.rng)
     files = {name: (out_dir / name).stat().st_size for name in (WEIGHTS, OPTIM)}
     meta = {"cursor": cursor.as_dict(), "world_size": int(world_size), "files": files,
             "rank_files": [f"rng_rank{r}.pt" for r in range(world_size)], **(extra or {})}
@@ -318,51 +384,63 @@ def remove_orphaned_local_checkpoints(tmp_dir: str | None = None) -> list[str]:
 
 
 def save_checkpoint(*, rank: int, world_size: int, drafter, optimizer, scheduler, cursor: Cursor, metrics: dict,
-                    before_register=None, on_uploaded=None, upload: str = "sync",
+                    before_register=None, on_uploaded=None, upload: str = "sync", host: HostBuffers | None = None,
                     extra: dict | None = None, fault_pause=None, fault_pause_where: str = "write") -> dict:
     """Every rank calls this at the same step (`ray.train.report` is a barrier). Rank 0 writes the state,
-    the others their RNG; `before_register(cost)` runs on rank 0 after its files are written and before
-    the checkpoint is handed to Ray Train (e.g. wait for the step's ledger lines), with
-    cost = {"checkpoint_write_seconds", "checkpoint_bytes"} (rank 0's files). `on_uploaded(seconds)` runs
-    on rank 0 when its files are in the run's storage (inside `ray.train.report` with upload="sync", in
-    Ray Train's upload thread with "async"), before the checkpoint can be registered.
+    the others their RNG; `before_register(cost)` runs on rank 0 before the checkpoint is handed to Ray
+    Train (e.g. wait for the step's ledger lines), with cost = {"checkpoint_write_seconds",
+    "checkpoint_bytes", "checkpoint_write"}: what the step waited for rank 0's state ("step": the files
+    written; "background": a host snapshot, the files written later) and its bytes. `on_uploaded(seconds)`
+    runs on rank 0 when its files are in the run's storage (inside `ray.train.report` with upload="sync", in
+    Ray Train's upload thread with "async", where the seconds include the background write), before the
+    checkpoint can be registered.
 
-    upload="async" (Ray Train 2.60, `CheckpointUploadMode.ASYNC`): `report` returns once every rank has
-    passed its barrier (the checkpoint directory name is agreed there); each rank's upload then runs in a
-    single background thread (uploads stay in report order), Ray deletes the local directory after it,
-    and the rank's report reaches the controller only after its upload, so the checkpoint is registered
-    only when every rank's files are in storage; a failed upload fails the worker (a restart resumes from
-    the previous checkpoint); the last upload is waited for when the train function returns. The ledger
-    lines written by `before_register` are on disk before `report` is even called, so before registration.
+    upload="async" (Ray Train 2.60, `CheckpointUploadMode.ASYNC`): rank 0 copies its state into `host`'s
+    buffers (the step's only cost: a Qwen3-8B drafter's 12.6 GB is a device-to-host copy, not a file
+    write); `report` returns once every rank has passed its barrier (the checkpoint directory name is
+    agreed there); each rank's upload then runs in a single background thread (uploads stay in report
+    order), which on rank 0 first writes the files from the snapshot; Ray deletes the local directory after
+    it, and the rank's report reaches the controller only after its upload, so the checkpoint is registered
+    only when every rank's files are in storage; a failed write or upload fails the worker (a restart
+    resumes from the previous checkpoint); the last upload is waited for when the train function returns.
+    The ledger lines written by `before_register` are on disk before `report` is even called, so before
+    registration.
 
     `fault_pause()` (test-only, tests/reliability/): rank 0 calls it halfway through writing its files
     (fault_pause_where="write") or after uploading them, before the checkpoint is registered ("upload").
 
-    Returns rank 0's cost (write seconds, bytes); {} on other ranks."""
+    Returns rank 0's cost; {} on other ranks."""
     import ray.train
     from ray.train import Checkpoint
 
     cost: dict = {}
     report_metrics = {**cursor_metrics(cursor), **metrics}
+    write_pause = fault_pause if fault_pause_where == "write" else None
+    written = {"seconds": 0.0}   # a background write's seconds, counted in the upload's
 
-    def write(tmp: Path) -> None:
+    def uploaded(seconds: float) -> None:
+        if on_uploaded is not None:
+            on_uploaded(written["seconds"] + seconds)
+
+    # every rank's upload: a failed one names the storage and leaves no partial directory behind
+    upload_fn = _timed_upload(uploaded if rank == 0 else None,
+                              fault_pause if (rank == 0 and fault_pause_where == "upload") else None)
+
+    def write_now(tmp: Path) -> None:
         if rank == 0:
             t0 = time.perf_counter()
             write_checkpoint(tmp, drafter=drafter, optimizer=optimizer, scheduler=scheduler, cursor=cursor,
-                             world_size=world_size, extra=extra,
-                             fault_pause=fault_pause if fault_pause_where == "write" else None)
-            cost.update(checkpoint_write_seconds=time.perf_counter() - t0, checkpoint_bytes=dir_bytes(tmp))
+                             world_size=world_size, extra=extra, fault_pause=write_pause)
+            cost.update(checkpoint_write_seconds=time.perf_counter() - t0, checkpoint_bytes=dir_bytes(tmp),
+                        checkpoint_write="step")
             if before_register is not None:
                 before_register(dict(cost))
         else:
             write_rank_files(tmp, rank)
 
-    # every rank's upload: a failed one names the storage and leaves no partial directory behind
-    upload_fn = _timed_upload(on_uploaded if rank == 0 else None,
-                              fault_pause if (rank == 0 and fault_pause_where == "upload") else None)
     if upload == "sync":
         with tempfile.TemporaryDirectory(prefix=_local_prefix()) as tmp:
-            write(Path(tmp))
+            write_now(Path(tmp))
             ray.train.report(report_metrics, checkpoint=Checkpoint.from_directory(tmp),
                              checkpoint_upload_fn=upload_fn)
         return cost
@@ -370,17 +448,48 @@ def save_checkpoint(*, rank: int, world_size: int, drafter, optimizer, scheduler
         raise ValueError(f"checkpoint upload mode {upload!r}: expected 'sync' or 'async'")
     from ray.train import CheckpointUploadMode
 
+    background = rank == 0 and host is not None and upload_fn is not None
+    if background:
+        t0 = time.perf_counter()
+        snapshot = capture_state(drafter, optimizer, scheduler, host)
+        cost.update(checkpoint_write_seconds=time.perf_counter() - t0, checkpoint_bytes=snapshot.nbytes,
+                    checkpoint_write="background")
+        if before_register is not None:
+            before_register(dict(cost))
+        upload_fn = _written_then_uploaded(snapshot, host, upload_fn, written, cursor=cursor,
+                                           world_size=world_size, extra=extra, fault_pause=write_pause)
     # not a TemporaryDirectory: Ray Train reads it after `report` returns and deletes it after the upload
     tmp = tempfile.mkdtemp(prefix=_local_prefix())
     try:
-        write(Path(tmp))
+        if background:
+            host.idle.clear()   # the snapshot is the background write's until it is done with it
+        else:
+            write_now(Path(tmp))
         ray.train.report(report_metrics, checkpoint=Checkpoint.from_directory(tmp),
                          checkpoint_upload_mode=CheckpointUploadMode.ASYNC,
                          delete_local_checkpoint_after_upload=True, checkpoint_upload_fn=upload_fn)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)   # no upload was started from it
+        if background:
+            host.idle.set()
         raise
     return cost
+
+
+def _written_then_uploaded(snapshot: StateSnapshot, host: HostBuffers, upload_fn, written: dict, **write_kwargs):
+    """Rank 0's `checkpoint_upload_fn` for a background write: the files from the snapshot into the local
+    directory Ray Train hands over (its seconds into `written`), then the timed upload; the host buffers are
+    free again after the write (or its failure, which fails the worker as a failed upload does)."""
+    def upload(checkpoint, checkpoint_dir_name):
+        t0 = time.perf_counter()
+        try:
+            write_checkpoint(Path(checkpoint.path), snapshot=snapshot, **write_kwargs)
+        finally:
+            host.idle.set()
+        written["seconds"] = time.perf_counter() - t0
+        return upload_fn(checkpoint, checkpoint_dir_name)
+
+    return upload
 
 
 def rank0_value(value: float, device, world_size: int) -> float:
@@ -405,6 +514,7 @@ class CheckpointManager:
         self.train, self.rank, self.world, self.device = train, rank, world_size, device
         self.record, self.faults = record, faults or {}
         self.t_last = time.perf_counter()
+        self.host = HostBuffers()   # rank 0's snapshot buffers for async checkpoints, reused
 
     def restore(self, drafter, optimizer, scheduler) -> tuple[Cursor, int]:
         """The cursor and the non-finite streak of the checkpoint Ray Train hands this worker group (the
@@ -440,7 +550,7 @@ class CheckpointManager:
         pause, where = checkpoint_pause(self.faults, step, self.rank, record)
         cost = save_checkpoint(
             rank=self.rank, world_size=self.world, drafter=drafter, optimizer=optimizer, scheduler=scheduler,
-            cursor=cursor, metrics={"step": step, "loss": loss}, upload=upload, extra=extra,
+            cursor=cursor, metrics={"step": step, "loss": loss}, upload=upload, host=self.host, extra=extra,
             before_register=lambda cost: record.flush(consumed, {**cost, "checkpoint_upload": upload}, wait=True),
             on_uploaded=lambda seconds: record.checkpoint_uploaded(step, seconds),
             fault_pause=pause, fault_pause_where=where)
