@@ -15,4 +15,13 @@ if [[ " $* " == *" --head "* ]]; then
   mkdir -p "$RAY_METRICS_GRAFANA_DASHBOARD_OUTPUT_DIR"
   cp dashboards/grafana/*.json "$RAY_METRICS_GRAFANA_DASHBOARD_OUTPUT_DIR/"
 fi
+# The object store lives in /dev/shm only when it fits there; otherwise Ray puts it in /tmp, on disk, with one
+# line in its log (a container's 64 MB /dev/shm does this; Ray's default store is then 10 GB on disk). A
+# Qwen3-8B run's feature blocks are ~0.67 GB each: say so here, where the fix is (the run checks again).
+shm=$(df -B1 --output=size /dev/shm 2>/dev/null | tail -1 | tr -d ' ')
+if [[ -n "$shm" && "$shm" -lt $((10 * 1024 * 1024 * 1024)) ]]; then
+  echo "WARNING: /dev/shm is $((shm / 1024 / 1024)) MiB: Ray will keep its object store on disk (/tmp); give the" \
+       "container more shared memory (docker run --shm-size=64g, or the cluster's run_options) or pass" \
+       "--object-store-memory below /dev/shm's size" >&2
+fi
 exec ray start "$@"

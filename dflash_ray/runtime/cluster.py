@@ -100,3 +100,45 @@ def start_run_actors(run_spec, num_buckets: int):
             raise UserError(line.split("UserError: ", 1)[-1]) from e
         raise
     return coord, record
+
+
+def _shm_bytes() -> int | None:
+    """/dev/shm's size on this node (None where there is none)."""
+    try:
+        st = os.statvfs("/dev/shm")
+    except OSError:
+        return None
+    return st.f_frsize * st.f_blocks
+
+
+def node_stores(use_gpu: bool, target_resource: str) -> dict:
+    """node id -> {"store": object store bytes, "shm": /dev/shm bytes, "ip"} of the alive nodes that can host
+    the stream's work (GPUs, or the target resource on CPU clusters), /dev/shm read on each node by a task."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    key = "GPU" if use_gpu else target_resource
+    nodes = {n["NodeID"]: {"store": n["Resources"].get("object_store_memory", 0), "ip": n.get("NodeManagerAddress")}
+             for n in ray.nodes() if n.get("Alive") and n.get("Resources", {}).get(key)}
+    probe = ray.remote(num_cpus=0)(_shm_bytes)
+    refs = {node: probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote()
+            for node in nodes}
+    for node, ref in refs.items():
+        nodes[node]["shm"] = ray.get(ref, timeout=60)
+    return nodes
+
+
+def check_object_stores(need: dict, use_gpu: bool, target_resource: str, record=None, log=print) -> list[str]:
+    """Fail before training when a node's object store cannot hold the stream's blocks (one line naming the
+    node and the fix); warn (printed, and an event in the run record) where the store is on disk because
+    /dev/shm is smaller than it. Returns the warnings."""
+    from dflash_ray.sizing.object_store import store_problems
+
+    errors, warnings = store_problems(need, node_stores(use_gpu, target_resource))
+    if errors:
+        raise UserError(errors[0])
+    for w in warnings:
+        log(w)
+        if record is not None:
+            record.event.remote("object_store_on_disk", message=w)
+    return warnings

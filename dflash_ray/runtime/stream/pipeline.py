@@ -100,27 +100,46 @@ def stream_blocks(rows_per_rank: int, rows_per_block: int, n_ranks: int) -> int:
 MAX_ROWS_PER_BLOCK = 64   # bounds the rows a round of blocks takes from the flight window
 
 
-def rows_per_block(lengths, bytes_per_token: int, block_mb: float) -> int:
-    """Plan batches per stream block: as many of the feed's largest batch (padded rows x width tokens, at
-    `bytes_per_token` through the stream: features, ids, mask) as fit in `block_mb`; 1 when block_mb or
-    bytes_per_token is 0; at most MAX_ROWS_PER_BLOCK. lengths: the feed's `lengths` list column. Kept
-    under half of Ray Data's target_max_block_size (128 MiB), above which it splits an output block and
-    the round-robin would no longer hand each rank whole blocks."""
+def largest_batch_bytes(lengths, bytes_per_token: int) -> int:
+    """Bytes of the feed's largest plan batch through the stream: padded rows x width tokens at
+    `bytes_per_token` (features, ids, mask); 0 when unknown. lengths: the feed's `lengths` list column."""
     import pyarrow as pa
     import pyarrow.compute as pc
 
-    if block_mb <= 0 or bytes_per_token <= 0 or len(lengths) == 0:
-        return 1
+    if bytes_per_token <= 0 or len(lengths) == 0:
+        return 0
     arr = lengths.combine_chunks() if isinstance(lengths, pa.ChunkedArray) else lengths
     counts = pc.list_value_length(arr).fill_null(0).to_numpy(zero_copy_only=False).astype(np.int64)
     flat = pc.list_flatten(arr).to_numpy(zero_copy_only=False).astype(np.int64)
     if flat.size == 0:
-        return 1
+        return 0
     starts = np.cumsum(counts) - counts
     widest = np.maximum.reduceat(flat, starts[counts > 0])
-    largest = int((counts[counts > 0] * widest).max()) * int(bytes_per_token)
+    return int((counts[counts > 0] * widest).max()) * int(bytes_per_token)
+
+
+def rows_per_block(lengths, bytes_per_token: int, block_mb: float) -> int:
+    """Plan batches per stream block: as many of the feed's largest batch (`largest_batch_bytes`) as fit
+    in `block_mb`; 1 when block_mb or bytes_per_token is 0; at most MAX_ROWS_PER_BLOCK. Kept under half of
+    Ray Data's target_max_block_size (128 MiB), above which it splits an output block and the round-robin
+    would no longer hand each rank whole blocks."""
+    largest = largest_batch_bytes(lengths, bytes_per_token)
+    if block_mb <= 0 or largest <= 0:
+        return 1
     budget = min(float(block_mb) * 2**20, _max_block_bytes() / 2)
-    return int(max(1, min(MAX_ROWS_PER_BLOCK, budget // max(largest, 1))))
+    return int(max(1, min(MAX_ROWS_PER_BLOCK, budget // largest)))
+
+
+def stream_store_need(run_spec, feed, resources: dict) -> dict:
+    """What one node's stream needs of its object store (sizing/object_store.py), for this feed: its
+    largest block, the flight window, every trainer on one node (the worst placement)."""
+    from dflash_ray.sizing.object_store import stream_store_need as need
+
+    per_token = stream_bytes_per_token(run_spec)
+    lengths = feed.table.column("lengths")
+    per_block = rows_per_block(lengths, per_token, block_budget_mb(run_spec.cluster.stream_block_mb, resources))
+    return need(per_block * largest_batch_bytes(lengths, per_token), per_block,
+                run_spec.cluster.max_batches_in_flight, run_spec.cluster.drafter_workers)
 
 
 STORE_FRACTION_PER_BLOCK = 1 / 64
@@ -251,7 +270,7 @@ class DatasetFactory:
         groups = node_groups(worker_node_ids) if worker_node_ids else everywhere
         if len(groups) == 1:
             groups = everywhere   # one node: no pinning (its actors may go wherever there is room)
-        resources = _node_resources()
+        resources = node_resources()
         shares = target_shares(s.cluster, groups, world_size, resources)
         if shares is None and len(groups) > 1:   # a node with trainers can host no target actor
             groups, shares = everywhere, target_shares(s.cluster, everywhere, world_size, resources)
@@ -349,7 +368,7 @@ def target_shares(cluster, groups: list, world_size: int, resources: dict) -> li
     return shares
 
 
-def _node_resources() -> dict:
+def node_resources() -> dict:
     import ray
 
     return {n["NodeID"]: n.get("Resources", {}) for n in ray.nodes() if n.get("Alive")}

@@ -129,8 +129,16 @@ def stream_segments(run_spec, plans, coord, record):
     from dflash_ray.runtime.training.checkpoint import latest_checkpoint
     from dflash_ray.runtime.stream.pipeline import DatasetFactory
 
+    from dflash_ray.runtime.cluster import check_object_stores
+    from dflash_ray.runtime.stream.pipeline import node_resources, stream_store_need
+
     rows = run_spec.train.stream_segment_rows
-    run_end = DatasetFactory(run_spec, plans, None).feed().total_steps   # every epoch's plan built here
+    feed = DatasetFactory(run_spec, plans, None).feed()   # every epoch's plan built here
+    run_end = feed.total_steps
+    c = run_spec.cluster
+    need = stream_store_need(run_spec, feed, node_resources())
+    ray.get(record.event.remote("stream_store_need", **need))
+    check_object_stores(need, c.use_gpu, c.target_resource, record)
     ray.get([coord.begin_segment.remote(), record.set_run_total_steps.remote(run_end)])
     if rows <= 0:
         yield run_spec
