@@ -196,7 +196,9 @@ class DFlashDrafter(nn.Module):
         """torch.compile each decoder layer in place (state_dict names unchanged); for the GPU, where the
         layers' norms, RoPE and flex attention fuse. Sequence length and anchor count vary between batches,
         so torch's automatic dynamic shapes are left on. A new BlockMask per step does not recompile
-        (checked on the CPU, forward only; the GPU path has not been run here)."""
+        (checked on the CPU, forward only). Over mixed buckets the layers build at most 6 graphs, then none
+        (benchmarks/bench_recompiles.py, CPU with dynamo's eager backend: whether the input needs a gradient
+        x first shape / any later shape / one row); `compiled_graphs` counts them in a run."""
         for layer in self.layers:
             layer.compile(**kwargs)
         return self
@@ -392,3 +394,10 @@ def build_drafter(cfg: DrafterConfig, target_hf_config, embed_weight, head_weigh
             return DFlashDrafter(config, embed_weight, head_weight, **kwargs)
     with _seeded_rng(seed, device), device:
         return DFlashDrafter(config, embed_weight, head_weight, **kwargs)
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has built in this process so far (dynamo's counter): a recompile adds one."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])

@@ -97,6 +97,7 @@ class TrainRow:
     lengths: np.ndarray       # [rows] int32
     context: np.ndarray       # [rows, width, features], encoded (see context_dtype)
     context_dtype: str
+    staged: tuple | None = None   # (tensors on the GPU, the copy's CUDA event): set by `stage`
 
     @property
     def is_filler(self) -> bool:
@@ -113,10 +114,33 @@ class TrainRow:
                    context_dtype=str(batch["context_dtype"][i]))
 
     def tensors(self, device):
-        """(input_ids, loss_mask, context, lengths) as torch tensors on `device`."""
+        """(input_ids, loss_mask, context, lengths) as torch tensors on `device` (a staged row's: once its
+        copy has landed, in the order of the current CUDA stream)."""
         import torch
 
+        if self.staged is not None:
+            tensors, copied = self.staged
+            stream = torch.cuda.current_stream(device)
+            stream.wait_event(copied)
+            for t in tensors:   # used on this stream: the allocator must not reuse them before it is done
+                t.record_stream(stream)
+            return tensors
         ids = torch.from_numpy(self.input_ids.astype(np.int64)).to(device)
         mask = torch.from_numpy(self.loss_mask.astype(np.int64)).to(device)
         lengths = torch.from_numpy(self.lengths.astype(np.int64)).to(device)
         return ids, mask, decode_features(self.context, self.context_dtype).to(device), lengths
+
+    def stage(self, device, stream) -> "TrainRow":
+        """Copy the row's tensors to the GPU on `stream` (a side stream, from the prefetch thread): the
+        host-to-device copy of a Qwen3-8B batch's features (~0.67 GB: ~80 ms from pageable memory at the
+        H200's 8.2 GB/s) overlaps the training thread's step instead of starting it. The source is the object
+        store's buffer itself (no pinned copy first: that would be another host copy of the same size).
+        Not run on a GPU yet (no device in the session that wrote it); the CPU path never stages."""
+        import torch
+
+        with torch.cuda.stream(stream):
+            tensors = self.tensors(device)
+            copied = torch.cuda.Event()
+            copied.record(stream)
+        self.staged = (tensors, copied)
+        return self

@@ -23,6 +23,7 @@ import torch
 
 from dflash_ray.runtime.stream.feed import Cursor, cursor_after, rank_rows
 from dflash_ray.runtime.stream.rows import TrainRow, train_rows
+from dflash_ray.model.drafter import compiled_graphs
 from dflash_ray.runtime.training.model import build_model
 from dflash_ray.runtime.training.step import train_step
 
@@ -34,15 +35,16 @@ class Prefetcher:
 
     _END = object()
 
-    def __init__(self, iterable, size: int):
+    def __init__(self, iterable, size: int, stage=None):
         self.q = queue.Queue(maxsize=max(1, size))
+        self.stage = stage   # item -> item, in this thread (GPU runs: the rows' copy to the device)
         self.thread = threading.Thread(target=self._pull, args=(iterable,), daemon=True)
         self.thread.start()
 
     def _pull(self, iterable):
         try:
             for item in iterable:
-                self.q.put(item)
+                self.q.put(self.stage(item) if self.stage is not None else item)
             self.q.put(self._END)
         except BaseException as e:  # re-raised in the training thread
             self.q.put(e)
@@ -81,6 +83,15 @@ def worker_device(cluster, threads: int) -> torch.device:
     return device
 
 
+def device_stager(device):
+    """On a GPU: a function that starts a row's copy to the device on a side stream (TrainRow.stage), so the
+    prefetch thread moves the next rows while the step runs; None on the CPU (nothing to copy)."""
+    if device.type != "cuda":
+        return None
+    side = torch.cuda.Stream(device)
+    return lambda row: row.stage(device, side)
+
+
 def train_loop_per_worker(config: dict) -> None:
     import ray.train
     import torch.distributed as dist
@@ -97,7 +108,7 @@ def train_loop_per_worker(config: dict) -> None:
     remove_orphaned_local_checkpoints()  # left by a worker of this node killed while checkpointing
     shard = ray.train.get_dataset_shard("train")   # pulled from now on: the pipeline starts while we build
     stream = Prefetcher(train_rows(shard.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=1)),
-                        size=spec.train.grad_accum)
+                        size=spec.train.grad_accum, stage=device_stager(device))
     record = RecordClient(spec, rank)
     feed = record.begin()
     if world * spec.train.grad_accum != feed["batches_per_step"]:
@@ -121,6 +132,7 @@ def train_loop_per_worker(config: dict) -> None:
         else contextlib.nullcontext
     all_reduce = dist.all_reduce if world > 1 else None
     max_nonfinite = spec.train.max_nonfinite_steps   # 0: skip and count, never stop
+    compiled = device.type == "cuda" and spec.train.compile   # as build_model decides
     steps = feed["total_steps"] - cursor.step
     t_step = time.perf_counter()
     for s in range(steps):
@@ -142,6 +154,8 @@ def train_loop_per_worker(config: dict) -> None:
         # model costs here, under DDP and the machine's load (benchmarks/bench_load.py)
         timings = {"step_seconds": now - t_step, "wait_seconds": t_compute - t_wait,
                    "compute_seconds": now - t_compute, "compute_cpu_seconds": cpu_now - cpu_compute}
+        if compiled:   # a recompile costs a step seconds to minutes: the metrics line shows when one happened
+            timings["compiled_graphs"] = compiled_graphs()
         record.step(s, step, result, timings=timings, epoch_batches=rows[0].epoch_batches,
                     nonfinite_streak=nonfinite_streak, consumed=consumed, drafter=drafter,
                     checkpoint_next=due or stop)
