@@ -156,6 +156,8 @@ def train_loop_per_worker(config: dict) -> None:
                    "compute_seconds": now - t_compute, "compute_cpu_seconds": cpu_now - cpu_compute}
         if compiled:   # a recompile costs a step seconds to minutes: the metrics line shows when one happened
             timings["compiled_graphs"] = compiled_graphs()
+        if device.type == "cuda":   # against the memory model (sizing/memory.py)
+            timings["device_peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         record.step(s, step, result, timings=timings, epoch_batches=rows[0].epoch_batches,
                     nonfinite_streak=nonfinite_streak, consumed=consumed, drafter=drafter,
                     checkpoint_next=due or stop)
