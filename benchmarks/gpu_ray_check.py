@@ -271,14 +271,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True)
     ap.add_argument("--cpu-small", action="store_true", help="tiny shapes on a local CPU cluster (the tests)")
-    ap.add_argument("--batches", type=int, default=None, help="plan batches of the epoch (CUDA 110, CPU 24)")
+    ap.add_argument("--batches", type=int, default=None, help="plan batches of the epoch (about: CUDA 80, CPU 24)")
     ap.add_argument("--job-timeout", type=int, default=420)
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     work = Path(os.environ.get("GPU_RAY_CHECK_WORK", out / "work"))
     cuda = not args.cpu_small
-    batches = args.batches or (110 if cuda else 24)
+    batches = args.batches or (80 if cuda else 24)
     bounds = SEED_BOUNDS if cuda else [b // 16 for b in SEED_BOUNDS]
     budget = 16384 if cuda else 1024
     report: dict = {"device": "cuda" if cuda else "cpu", "goal_ratio": RATIO_GOAL}

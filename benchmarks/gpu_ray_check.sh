@@ -59,7 +59,7 @@ for _ in $(seq 60); do
 done
 df -h /dev/shm > "$OUT/shm.txt" 2>&1
 status=0
-timeout "${GPU_RAY_CHECK_SECONDS:-450}" "$PY" benchmarks/gpu_ray_check.py --out "$OUT" "${small[@]}" || status=$?
+timeout "${GPU_RAY_CHECK_SECONDS:-500}" "$PY" benchmarks/gpu_ray_check.py --out "$OUT" "${small[@]}" || status=$?
 "$RAY_BIN" memory --stats-only --address "$RAY_ADDRESS" > "$OUT/object_store.txt" 2>&1
 grep -iE "spill|restor|plasma|object store" "$OUT/object_store.txt" | head -8
 run_dir=$(ls -d "$OUT"/work/runs/ray_check 2>/dev/null)
