@@ -121,11 +121,11 @@ def make_shards(out: Path, lengths: np.ndarray, first_word: int, words: int, see
     return int(lengths.sum())
 
 
-def job_overrides(args, world: dict, run_root: Path, segment_rows: int) -> list[str]:
+def job_overrides(args, world: dict, run_root: Path, segment_blocks: int) -> list[str]:
     common = [f"run.root={run_root}", "run.name=ray_check", f"data.shards={world['shards']}",
               f"data.tokenizer={world['tokenizer']}", f"data.input={world['shards']}",
               f"model.target_path={world['target']}", "data.heldout_fraction=0", "train.epochs=1",
-              f"train.stream_segment_rows={segment_rows}",
+              f"train.stream_segment_blocks={segment_blocks}", "cluster.stream_block_mb=0",   # a batch a block
               f"train.grad_accum={GRAD_ACCUM}",
               "cluster.address=auto"]
     if args.cpu_small:
@@ -303,7 +303,7 @@ def main(argv=None) -> int:
 
     steps = -(-n_batches // GRAD_ACCUM)
     segment_steps = steps // 2
-    overrides = job_overrides(args, world, work / "runs", segment_steps * GRAD_ACCUM)   # feed rows
+    overrides = job_overrides(args, world, work / "runs", segment_steps * GRAD_ACCUM)   # blocks of one row
     report["plan_batches"] = n_batches
     report["filler_rows"] = steps * GRAD_ACCUM - n_batches
     job = run_job(overrides, out, args.job_timeout)

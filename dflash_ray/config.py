@@ -146,7 +146,9 @@ class TrainConfig:
     checkpoint_upload: str = "async"               # async: Ray Train uploads while training goes on; sync: waits
     num_to_keep: int = 2             # checkpoints kept
     max_failures: int = 3            # worker-group restarts (from the last checkpoint) before the run fails
-    stream_segment_rows: int = 20000  # feed rows per Ray Data stream (a fit of its own, from a checkpoint); 0: one
+    # Ray Data stream blocks per stream (~25 KB of split-coordinator state each); longer runs train as fits of
+    # this many blocks, each resuming from the last one's checkpoint; 0: one stream
+    stream_segment_blocks: int = 50000
     max_nonfinite_steps: int = 10    # stop after this many NaN/Inf steps in a row (skipped, counted; 0: never stop)
     storage_path: Optional[str] = None  # Ray Train storage (null: <run.dir>/ray_train; shared on multi-node)
     tensorboard: bool = False        # the older switch: the same as adding tensorboard to trackers
@@ -217,12 +219,12 @@ MINIMUM = {"model.block_size": 2, "model.num_draft_layers": 1, "model.num_anchor
            "cluster.stream_block_mb": 0, "cluster.device_memory_gb": 0.1,
            "data.heldout_fraction": 0.0, "train.epochs": 1, "train.lr": 0.0, "train.warmup_ratio": 0.0, "train.grad_accum": 1,
            "train.checkpoint_every": 0, "train.checkpoint_every_minutes": 0.0, "train.num_to_keep": 1,
-           "train.max_failures": 0, "train.stream_segment_rows": 0, "train.max_nonfinite_steps": 0,
+           "train.max_failures": 0, "train.stream_segment_blocks": 0, "train.max_nonfinite_steps": 0,
            "train.heldout_every": 0,
            "eval.max_new_tokens": 1, "regenerate.max_new_tokens": 1, "regenerate.batch_size": 1}
 # what the least value means, where it means more than a number (said with the minimum)
 AT_LEAST = {"data.attention_tokens": "0: no attention term", "cluster.stream_block_mb": "0: one plan batch a block",
-            "train.stream_segment_rows": "0: one stream for the whole run", "train.max_nonfinite_steps": "0: never stop"}
+            "train.stream_segment_blocks": "0: one stream for the whole run", "train.max_nonfinite_steps": "0: never stop"}
 
 
 # ----------------------------------------------------------------------------- composition
@@ -240,7 +242,9 @@ def _flat_keys(cfg: Any, prefix: str = "") -> List[str]:
 
 # keys renamed, with their new names: an old config gets the new name in its error line
 RENAMED = {"train.checkpoint_layers": "train.recompute_layers",        # activation recompute, not checkpoints
-           "train.stream_window_rows": "train.stream_segment_rows",    # "window" is the flight window's word
+           "train.stream_window_rows": "train.stream_segment_blocks",  # "window" is the flight window's word
+           # the bound is on what grows (Ray Data's state per block), not on rows (64 tiny ones share a block)
+           "train.stream_segment_rows": "train.stream_segment_blocks",
            # the drafter's rate is in its own unit now (context tokens/s depends on the plan's density)
            "cluster.drafter_tokens_per_gpu": "cluster.drafter_block_tokens_per_gpu"}
 

@@ -36,7 +36,8 @@ def test_nothing_reads_a_removed_knob(capsys):
 
 
 @pytest.mark.parametrize("old, new", [("train.checkpoint_layers=true", "train.recompute_layers"),
-                                      ("train.stream_window_rows=5", "train.stream_segment_rows")])
+                                      ("train.stream_window_rows=5", "train.stream_segment_blocks"),
+                                      ("train.stream_segment_rows=5", "train.stream_segment_blocks")])
 def test_a_renamed_key_names_its_new_name(old, new, capsys):
     assert main(["train", "--cfg", "job", old]) == 2
     assert f"(renamed: use '{new}')" in capsys.readouterr().err

@@ -15,11 +15,12 @@ def test_need_is_the_larger_of_the_operator_budgets_and_the_flight_window():
     block = 16384 * (5 * 4096 * 2 + 5)
     # cluster=8gpu: 16 batches in flight, 2 trainers: 16 blocks + 2 x 2 held/prefetched = 20 > 3 x 4 = 12
     need = stream_store_need(block, 1, 16, 2)
-    assert need == {"block_bytes": block, "blocks": 20, "bytes": 20 * block, "why": "flight window"}
+    assert need == {"block_bytes": block, "rows_per_block": 1, "blocks": 20, "bytes": 20 * block,
+                    "why": "flight window"}
     assert 12.5 < need["bytes"] / GIB < 12.6
     # tiny blocks of 64 batches, 4 in flight, 2 trainers: ceil(4 / 64) + 4 = 5 < 12: the operator budgets
-    assert stream_store_need(1000, 64, 4, 2) == {"block_bytes": 1000, "blocks": 12, "bytes": 12000,
-                                                  "why": "operator budgets"}
+    assert stream_store_need(1000, 64, 4, 2) == {"block_bytes": 1000, "rows_per_block": 64, "blocks": 12,
+                                                  "bytes": 12000, "why": "operator budgets"}
 
 
 def test_a_store_too_small_is_an_error_and_a_store_on_disk_a_warning():

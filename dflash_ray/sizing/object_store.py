@@ -27,7 +27,8 @@ def stream_store_need(block_bytes: float, rows_per_block: int, in_flight_rows: i
     budget_blocks = OPERATOR_SHARE * BLOCKS_PER_BUDGET
     flight_blocks = math.ceil(in_flight_rows / max(1, rows_per_block)) + BLOCKS_PER_RANK * ranks
     blocks = max(budget_blocks, flight_blocks)
-    return {"block_bytes": int(block_bytes), "blocks": int(blocks), "bytes": int(blocks * block_bytes),
+    return {"block_bytes": int(block_bytes), "rows_per_block": int(rows_per_block), "blocks": int(blocks),
+            "bytes": int(blocks * block_bytes),
             "why": "operator budgets" if budget_blocks >= flight_blocks else "flight window"}
 
 

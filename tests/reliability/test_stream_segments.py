@@ -1,4 +1,4 @@
-"""A run trained as several Ray Train fits of `train.stream_segment_rows` feed rows each (Ray Data's
+"""A run trained as several Ray Train fits of `train.stream_segment_blocks` stream blocks each (Ray Data's
 per-stream state stays bounded on a long run) is the run trained as one: same ledger, same weights."""
 from __future__ import annotations
 
@@ -14,8 +14,9 @@ from dflash_ray.runtime.record.ledger import read_jsonl
 
 
 def test_a_run_in_segments_equals_the_run_in_one_stream(train_run, job_run):
-    # 12 feed rows a segment at 2 batches a step: steps 1-6, then 7-10 of the reference's 10
-    _, s = train_run("segments", [*RUNTIME_RUN, "train.stream_segment_rows=12"])
+    # one plan batch a block (as on a GPU), 12 blocks a segment at 2 batches a step: steps 1-6, then 7-10 of
+    # the reference's 10 (which ran the default blocks of many batches: the weights must not depend on that)
+    _, s = train_run("segments", [*RUNTIME_RUN, "train.stream_segment_blocks=12", "cluster.stream_block_mb=0"])
     ref = job_run["summary"]
     assert ref["steps"] == 10 and s["steps"] == ref["steps"] and s["tokens"] == ref["tokens"]
     assert s["stream_segments"] == 2 and s["trainer_restarts"] == 0

@@ -116,23 +116,24 @@ def fit(run_spec, plans, num_buckets: int, *, progress: bool = True) -> FitOutco
 
 
 def stream_segments(run_spec, plans, coord, record):
-    """The run as a series of Ray Train fits of at most `train.stream_segment_rows` feed rows each (0: one fit
-    for the whole run). Ray Data keeps per-block state for a whole stream (its split coordinator grows ~25 KB
-    a row: benchmarks/bench_load.py), so a stream over the 280K rows of a long run would hold gigabytes; a
-    segment ends at a step with a checkpoint (the loop checkpoints at its last step) and the next fit resumes
-    from it exactly, as a restart does. Yields the spec of each segment (train.max_steps = its last step).
-    ("Segment", not "window": the flight window is the coordinator's bound on batches in flight.)"""
+    """The run as a series of Ray Train fits of at most `train.stream_segment_blocks` stream blocks each (0: one
+    fit for the whole run). Ray Data keeps state for every block of a stream (its split coordinator grows
+    ~25 KB a block: benchmarks/bench_load.py), so one stream over the 280K one-row blocks of a seed-size GPU
+    run would hold ~7 GB; the bound is in blocks, as that is what grows (a CPU run's tiny batches share a
+    block 64 at a time and never need a second segment). A segment ends at a step with a checkpoint (the loop
+    checkpoints at its last step) and the next fit resumes from it exactly, as a restart does: its cost is a
+    worker group's and the target actors' start and a restore (benchmarks/gpu_ray_check.py measures it).
+    Yields the spec of each segment (train.max_steps = its last step). ("Segment", not "window": the flight
+    window is the coordinator's bound on batches in flight.)"""
     import dataclasses
 
     import ray
 
+    from dflash_ray.runtime.cluster import check_object_stores
+    from dflash_ray.runtime.stream.pipeline import node_resources, stream_store_need
     from dflash_ray.runtime.training.checkpoint import latest_checkpoint
     from dflash_ray.runtime.stream.pipeline import DatasetFactory
 
-    from dflash_ray.runtime.cluster import check_object_stores
-    from dflash_ray.runtime.stream.pipeline import node_resources, stream_store_need
-
-    rows = run_spec.train.stream_segment_rows
     feed = DatasetFactory(run_spec, plans, None).feed()   # every epoch's plan built here
     run_end = feed.total_steps
     c = run_spec.cluster
@@ -140,10 +141,11 @@ def stream_segments(run_spec, plans, coord, record):
     ray.get(record.event.remote("stream_store_need", **need))
     check_object_stores(need, c.use_gpu, c.target_resource, record)
     ray.get([coord.begin_segment.remote(), record.set_run_total_steps.remote(run_end)])
-    if rows <= 0:
+    blocks = run_spec.train.stream_segment_blocks
+    if blocks <= 0:
         yield run_spec
         return
-    per_segment = max(1, rows // run_spec.batches_per_step)
+    per_segment = max(1, blocks * need["rows_per_block"] // run_spec.batches_per_step)
     start, first = None, True
     while True:
         now = latest_checkpoint(run_spec.experiment_dir)[0].step
