@@ -53,7 +53,7 @@ part() {  # part NAME SECONDS COMMAND...: run, log, remember a failure, go on
 }
 device=()
 [ -n "${GPU_CHECK_CPU:-}" ] && device=(--device cpu)
-part runtime_paths 60 "$PY" benchmarks/gpu_check.py "${device[@]}" --out "$OUT/runtime_paths.json"
+part runtime_paths 90 "$PY" benchmarks/gpu_check.py "${device[@]}" --out "$OUT/runtime_paths.json"
 part recipe_short 90 "$PY" benchmarks/bench_drafter_step.py "${small[@]}" ${recipe[0]} --steps 3 --warmup 1 \
   --json "$OUT/recipe_short.json"
 part recipe_long 90 "$PY" benchmarks/bench_drafter_step.py "${small[@]}" ${recipe[1]} --steps 3 --warmup 1 \

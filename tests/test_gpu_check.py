@@ -23,7 +23,7 @@ def test_runtime_paths_pass_on_the_cpu(tmp_path):
     assert report["features"]["bytes_per_value"] == 2                 # bf16 travels as int16 bits
     assert report["checkpoint"]["weights_equal"] and report["checkpoint"]["optimizer_equal"]
     assert report["recompute"]["max_relative_grad_difference"] == 0.0  # fp32 on the CPU: exact
-    assert report["host_copy"] == {"ok": True, "skipped": "no CUDA device"}
+    assert report["host_copy"] == report["staging"] == {"ok": True, "skipped": "no CUDA device"}
 
 
 @pytest.mark.slow
