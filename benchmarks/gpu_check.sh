@@ -2,7 +2,7 @@
 # ONE prepared run for a lent GPU machine (one H200; its image has CUDA PyTorch, transformers, safetensors,
 # pyarrow, but no Ray, OmegaConf or Hydra). The parts measured on 2026-11-29 (benchmarks/results/: the
 # drafter step's MFU, thinned buckets, target capture) gave way to what has not run on a GPU yet; every
-# part has its own time-out (560 s in all, inside one 10-minute device call); GPU_CHECK_ALL=1 adds the
+# part has its own time-out (585 s in all, inside one 10-minute device call); GPU_CHECK_ALL=1 adds the
 # 2026-11-29 parts back (over the 10 minutes: run it in two calls):
 #   1. the runtime's GPU-only paths without Ray (benchmarks/gpu_check.py): the step's all-reduce on NCCL,
 #      the bf16 feature encoding, checkpoint write/restore on CUDA

@@ -426,6 +426,10 @@ def plan_command(cfg, args) -> int:
     summary = plan.summary()
     capacity = capacity_report(cfg, summary, feature_bytes_per_token(cfg))
     memory = plan_memory(cfg, plan)
+    store = plan_object_store(cfg, plan)
+    if store:
+        memory["object_store"] = store
+        memory["text"] = memory["text"] + [store["text"]]
     if args.dump:
         write_table_atomic(plan.to_arrow().drop_columns(["num_tokens"]), args.dump)
     if args.json:
@@ -483,6 +487,25 @@ def feature_bytes_per_token(cfg) -> float | None:
     m = cfg.model
     taps = len(m.target_layer_ids or default_target_layer_ids(int(text["num_hidden_layers"]), m.num_draft_layers))
     return float(text["hidden_size"]) * taps * (2 if cfg.cluster.use_gpu else 4)
+
+
+def plan_object_store(cfg, plan) -> dict | None:
+    """The object store one node's stream needs for this plan (sizing/object_store.py; the run checks the
+    nodes' stores against it at its start), from the largest batch's bytes through the stream; None when
+    the target's shape is unknown."""
+    from dflash_ray.sizing.object_store import stream_store_need
+
+    per_token = feature_bytes_per_token(cfg)
+    if not per_token:
+        return None
+    c = cfg.cluster
+    largest = float(plan.padded_tokens().max()) * (per_token + 5)   # features, the id (int32), the mask byte
+    per_block = 1 if not c.stream_block_mb else int(max(1, min(64, c.stream_block_mb * 2**20 // largest)))
+    need = stream_store_need(per_block * largest, per_block, c.max_batches_in_flight, c.drafter_workers)
+    gib = need["bytes"] / 2**30
+    return {**need, "text": f"object store: the stream needs ~{gib:,.2f} GiB a node ({need['blocks']} blocks of up to "
+                            f"{need['block_bytes'] / 2**20:,.0f} MiB, for the {need['why']}); checked at the run's "
+                            f"start, and a store larger than the node's /dev/shm lives on disk (docs/runtime.md)"}
 
 
 def plan_memory(cfg, plan) -> dict:

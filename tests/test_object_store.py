@@ -48,3 +48,23 @@ def test_check_against_the_real_local_cluster(ray_session):
     assert check_object_stores(stream_store_need(store / 100, 1, 4, 2), False, "target_slot", log=None) == []
     with pytest.raises(UserError, match=r"^node .*: its Ray object store is .* but the stream needs"):
         check_object_stores(stream_store_need(store / 10, 1, 16, 2), False, "target_slot", log=None)
+
+
+def test_plan_prints_the_need_for_the_configs_largest_batch():
+    """`dflash-ray plan`'s line: Qwen3-8B (hidden 4096, 5 taps, bf16 on GPUs) at the largest batch's 16,384
+    padded tokens is 16,384 x (40,960 + 5) B a block, one a block (over cluster.stream_block_mb's 32 MiB)."""
+    import numpy as np
+
+    from dflash_ray.cli import plan_object_store
+    from dflash_ray.config import compose_config
+
+    class Plan:
+        def padded_tokens(self):
+            return np.array([1300, 16384, 9000])
+
+    block = 16384 * (4096 * 5 * 2 + 5)
+    eight = plan_object_store(compose_config(["model=qwen3_8b", "data=sharegpt", "cluster=8gpu"]), Plan())
+    assert (eight["blocks"], eight["bytes"], eight["rows_per_block"]) == (20, 20 * block, 1)   # 16 + 2 x 2
+    one = plan_object_store(compose_config(["model=qwen3_8b", "data=sharegpt", "cluster=1gpu"]), Plan())
+    assert (one["blocks"], one["why"]) == (12, "operator budgets")                                # 4 + 2 < 12
+    assert one["text"].startswith("object store: the stream needs ~7.50 GiB a node (12 blocks of up to 640 MiB")
