@@ -127,7 +127,7 @@ def job_overrides(args, world: dict, run_root: Path, segment_blocks: int) -> lis
               f"model.target_path={world['target']}", "data.heldout_fraction=0", "train.epochs=1",
               f"train.stream_segment_blocks={segment_blocks}", "cluster.stream_block_mb=0",   # a batch a block
               f"train.grad_accum={GRAD_ACCUM}",
-              "cluster.address=auto"]
+              "cluster.address=auto"] + (["train.compile=false"] if args.no_compile else [])
     if args.cpu_small:
         # one drafter worker, as cluster=1gpu has (steps of GRAD_ACCUM plan batches)
         return ["model=qwen3_8b", "data=sharegpt", "cluster=local", "cluster.drafter_workers=1", *common,
@@ -257,7 +257,7 @@ def bare_pieces(overrides: list[str], window: tuple[int, int], warmup: int) -> d
 
 
 def memory_model(overrides: list[str]) -> dict:
-    from dflash_ray.cli import plan_memory
+    from dflash_ray.runtime.plan_sizing import plan_memory
     from dflash_ray.config import compose_config
     from dflash_ray.data.plan import plan_from_config
 
@@ -273,6 +273,8 @@ def main(argv=None) -> int:
     ap.add_argument("--cpu-small", action="store_true", help="tiny shapes on a local CPU cluster (the tests)")
     ap.add_argument("--batches", type=int, default=None, help="plan batches of the epoch (about: CUDA 80, CPU 24)")
     ap.add_argument("--job-timeout", type=int, default=420)
+    ap.add_argument("--no-compile", action="store_true",
+                    help="train.compile=false (a rerun's fallback when the drafter's compiles eat the 8 minutes)")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -302,22 +304,33 @@ def main(argv=None) -> int:
     print(f"world: {lengths.size:,} samples, {tokens:,} tokens; target built in {build_s:.1f} s", flush=True)
 
     steps = -(-n_batches // GRAD_ACCUM)
-    segment_steps = steps // 2
+    segment_steps = -(-steps // 2)   # two segments: the second one the shorter
     overrides = job_overrides(args, world, work / "runs", segment_steps * GRAD_ACCUM)   # blocks of one row
     report["plan_batches"] = n_batches
     report["filler_rows"] = steps * GRAD_ACCUM - n_batches
-    job = run_job(overrides, out, args.job_timeout)
     lo = min(segment_steps, 10 if cuda else 4) + 1   # after the compile's first graphs
     window = (lo, max(lo, segment_steps))           # inside the first segment
+    save = lambda: (out / "gpu_ray_check.json").write_text(json.dumps(report, indent=2, default=str))  # noqa: E731
+    save()   # what is known so far: a time-out later still leaves it
+    try:
+        job = run_job(overrides, out, args.job_timeout)
+    except (RuntimeError, subprocess.TimeoutExpired) as e:   # the bare pieces still say what they can
+        report["job_error"] = str(e)[-2000:]
+        save()
+        print(f"the job failed: {str(e)[-600:]}", flush=True)
+        report["bare"] = bare_pieces(overrides, window, warmup=3)
+        save()
+        return 1
     figures = job_figures(job, window, segment_steps)
     report["job"] = figures
+    save()
     print(f"job: {figures['steps']} steps in {figures['job_wall_seconds']:.1f} s", flush=True)
     report["memory_model"] = memory_model(overrides)
     bare = bare_pieces(overrides, window, warmup=3)
     report["bare"] = bare
     ratio = figures["tokens_per_second"] / bare["tokens_per_second"] if bare["tokens_per_second"] else None
     report["ratio"] = ratio
-    (out / "gpu_ray_check.json").write_text(json.dumps(report, indent=2, default=str))
+    save()
     ck = [c for c in (figures["checkpoints"] or []) if c.get("bytes")]
     print()
     print(f"{'what':46} {'figure':>14}")

@@ -13,6 +13,7 @@
 # Usage (device tool; carry .wheelhouse):
 #   bash benchmarks/gpu_ray_check.sh                 # OUT defaults to ./gpu_ray_check_out
 #   GPU_CHECK_CPU=1 bash benchmarks/gpu_ray_check.sh  # the same at tiny shapes on a CPU head (the tests)
+#   GPU_RAY_CHECK_ARGS=--no-compile bash benchmarks/gpu_ray_check.sh   # a rerun without the drafter's compile
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu_ray_check_out}
@@ -59,7 +60,8 @@ for _ in $(seq 60); do
 done
 df -h /dev/shm > "$OUT/shm.txt" 2>&1
 status=0
-timeout "${GPU_RAY_CHECK_SECONDS:-500}" "$PY" benchmarks/gpu_ray_check.py --out "$OUT" "${small[@]}" || status=$?
+timeout "${GPU_RAY_CHECK_SECONDS:-500}" "$PY" benchmarks/gpu_ray_check.py --out "$OUT" "${small[@]}" \
+  ${GPU_RAY_CHECK_ARGS:-} || status=$?
 "$RAY_BIN" memory --stats-only --address "$RAY_ADDRESS" > "$OUT/object_store.txt" 2>&1
 grep -iE "spill|restor|plasma|object store" "$OUT/object_store.txt" | head -8
 run_dir=$(ls -d "$OUT"/work/runs/ray_check 2>/dev/null)

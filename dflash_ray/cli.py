@@ -424,6 +424,8 @@ def plan_command(cfg, args) -> int:
         check_shards(require(cfg, "data.shards"), cfg.data.vocab_size)
     plan = plan_from_config(cfg)
     summary = plan.summary()
+    from dflash_ray.runtime.plan_sizing import feature_bytes_per_token, plan_memory, plan_object_store
+
     capacity = capacity_report(cfg, summary, feature_bytes_per_token(cfg))
     memory = plan_memory(cfg, plan)
     store = plan_object_store(cfg, plan)
@@ -471,65 +473,6 @@ def target_shape_source(cfg) -> str:
     if built.is_file():
         return f"{built} (the synthesised target)"
     return "model.target_config (the synthetic target a run builds from it)" if m.target_config else "unknown"
-
-
-def feature_bytes_per_token(cfg) -> float | None:
-    """Bytes of the target's features per token as they travel (hidden x tapped layers; bf16 on GPUs,
-    fp32 on CPUs); None when the target's shape is unknown."""
-    from dflash_ray.data.plan import target_fields
-    from dflash_ray.model.target import default_target_layer_ids
-    from dflash_ray.sizing.memory import text_config
-
-    target = target_fields(cfg)
-    text = text_config(target or {})
-    if "hidden_size" not in text:
-        return None
-    m = cfg.model
-    taps = len(m.target_layer_ids or default_target_layer_ids(int(text["num_hidden_layers"]), m.num_draft_layers))
-    return float(text["hidden_size"]) * taps * (2 if cfg.cluster.use_gpu else 4)
-
-
-def plan_object_store(cfg, plan) -> dict | None:
-    """The object store one node's stream needs for this plan (sizing/object_store.py; the run checks the
-    nodes' stores against it at its start), from the largest batch's bytes through the stream; None when
-    the target's shape is unknown."""
-    from dflash_ray.sizing.object_store import stream_store_need
-
-    per_token = feature_bytes_per_token(cfg)
-    if not per_token:
-        return None
-    c = cfg.cluster
-    largest = float(plan.padded_tokens().max()) * (per_token + 5)   # features, the id (int32), the mask byte
-    per_block = 1 if not c.stream_block_mb else int(max(1, min(64, c.stream_block_mb * 2**20 // largest)))
-    need = stream_store_need(per_block * largest, per_block, c.max_batches_in_flight, c.drafter_workers)
-    gib = need["bytes"] / 2**30
-    return {**need, "text": f"object store: the stream needs ~{gib:,.2f} GiB a node ({need['blocks']} blocks of up to "
-                            f"{need['block_bytes'] / 2**20:,.0f} MiB, for the {need['why']}); checked at the run's "
-                            f"start, and a store larger than the node's /dev/shm lives on disk (docs/runtime.md)"}
-
-
-def plan_memory(cfg, plan) -> dict:
-    """The memory model for the plan's batches, the configured drafter and the target's shape (from
-    model.target_path's config.json or model.target_config); only a line when the shape is unknown."""
-    from dflash_ray.data.plan import target_fields
-    from dflash_ray.model.target import default_target_layer_ids
-    from dflash_ray.sizing.memory import memory_report, text_config
-
-    target = target_fields(cfg)
-    if not target or "vocab_size" not in text_config(target):
-        return {"text": ["memory model: the target's shape is unknown (model.target_path is not a local "
-                         "directory with a config.json; a synthesised target is known once a run built it)"]}
-    text = text_config(target)
-    m, c = cfg.model, cfg.cluster
-    layer_ids = list(m.target_layer_ids or default_target_layer_ids(int(text["num_hidden_layers"]), m.num_draft_layers))
-    dtype = str(target.get("dtype") or target.get("torch_dtype") or text.get("dtype") or text.get("torch_dtype") or "float32")
-    return memory_report(plan, target, draft_layers=m.num_draft_layers, layer_ids=layer_ids, use_gpu=c.use_gpu,
-                         stored_bytes=4 if "32" in dtype else 2, device_memory_gib=c.device_memory_gb,
-                         drafter_share=c.drafter_gpus, target_share=c.target_gpus,
-                         recompute_layers=cfg.train.recompute_layers,
-                         drafter_sizes={"intermediate": m.drafter_intermediate_size,
-                                        "heads": m.drafter_num_attention_heads,
-                                        "kv_heads": m.drafter_num_key_value_heads})
 
 
 def order_stats_command(args) -> int:

@@ -158,6 +158,9 @@ class TrainConfig:
     wandb_mode: Optional[str] = None       # online | offline | disabled; null: $WANDB_MODE, else online when logged in
     heldout_every: int = 0           # held-out tau every N steps during training (0: only after training)
     compile: bool = True             # CUDA: torch.compile the drafter's layers (flex attention fuses in them)
+    # the drafter across ranks: ddp (whole on each) | fsdp (sharded) | auto (ddp when the memory model says
+    # the step fits the drafter's GPU share, else fsdp)
+    parallelism: str = "auto"
     recompute_layers: bool = False  # activation checkpointing of the drafter's layers: recompute in backward
 
 
@@ -206,7 +209,7 @@ class RootConfig:
 
 CHOICES = {"data.overlong": ("truncate", "drop"), "data.format": FORMATS, "data.on_bad_row": ON_BAD_ROW,
            "data.turns": ("all", "last"), "data.prepare_engine": ("local", "ray"), "data.interleave": STRATEGIES,
-           "train.checkpoint_upload": ("async", "sync"), "regenerate.on_max_tokens": ("drop", "keep"),
+           "train.checkpoint_upload": ("async", "sync"), "train.parallelism": ("auto", "ddp", "fsdp"), "regenerate.on_max_tokens": ("drop", "keep"),
            "data.synthetic.corpus": ("walks", "instructions"), "model.compute_dtype": (None, "bfloat16", "float32")}
 MINIMUM = {"model.block_size": 2, "model.num_draft_layers": 1, "model.num_anchors": 1, "model.anchors_per_batch": 1,
            "model.max_block_tokens_per_batch": 1,

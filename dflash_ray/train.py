@@ -40,7 +40,8 @@ def main_job(cfg, *, progress: bool = True, log=print, plan_log=print):
     from dflash_ray.model.export import write_model_card
     from dflash_ray.paths import resolve_model_paths
     from dflash_ray.runtime.record.summary import build_summary, model_card_facts
-    from dflash_ray.runtime.spec import RunPlans, resolve_spec
+    from dflash_ray.runtime.plan_sizing import choose_parallelism
+    from dflash_ray.runtime.spec import RunPlans, resolve_spec, with_parallelism
     from dflash_ray.runtime.training.checkpoint import export_latest
     from dflash_ray.runtime.training.trainer import fit
 
@@ -61,6 +62,7 @@ def main_job(cfg, *, progress: bool = True, log=print, plan_log=print):
             run_spec = resolve_spec(cfg, log=log)  # the config's choices answered and checked (a rerun: against its start)
             plans = RunPlans(run_spec)             # each epoch's plan built once, here, and handed on
             plan_summary = plans(0).summary()
+            run_spec = with_parallelism(run_spec, choose_parallelism(cfg, plans(0)), log)
         plan_log(format_plan(plan_summary))
         check_resources(run_spec.cluster)
         with clock("training") as training:

@@ -113,7 +113,7 @@ def test_the_warning_line_falls_exactly_where_the_step_stops_fitting(qwen3_8b_wo
     # device memory just above the worst batch's peak: no warning; just below: one, for the drafter only
     # (the target actor's ~18 GiB fits both)
     for memory, warned in ((need_gib * 1.01, False), (need_gib * 0.99, True)):
-        assert run_command("plan", qwen3_8b_world + [f"cluster.device_memory_gb={memory}"]) == 0
+        assert run_command("plan", qwen3_8b_world + [f"cluster.device_memory_gb={memory}", "train.parallelism=ddp"]) == 0
         warnings = [x for x in capsys.readouterr().out.splitlines() if x.startswith("WARNING")]
         assert len(warnings) == int(warned)
         if warned:
@@ -155,3 +155,35 @@ def test_moe_targets_count_their_experts_and_the_drafter_its_own_sizes():
     assert dense.experts == 0 and dense.layer_params() == 16_777_216 + 2_097_152 + 3 * 2048 * 6144 + 256 + 4_096
     small = shape.drafter(intermediate=1024, heads=16, kv_heads=4)
     assert small.layer_params() == 2 * 2048 * 2048 + 2 * 2048 * 512 + 3 * 2048 * 1024 + 256 + 4_096
+
+
+def test_fsdp_parts_by_hand():
+    """FSDP over 4 ranks: weights, gradients and AdamW 1/4 each; gathered at a time fc (5 taps x 4096 x 4096)
+    plus two decoder layers' fp32 weights (the running one, the next prefetched) and one layer's gradients."""
+    from dflash_ray.sizing.memory import sharded_step_memory
+
+    shape = Shape.of(QWEN3_8B)
+    m = drafter_step_memory(shape, draft_layers=5, taps=5, block_tokens=8192, context_tokens=16384, gpu=True,
+                            frozen_bytes=2)
+    f = sharded_step_memory(m, shape, taps=5, world=4)
+    params = 5 * shape.layer_params() + 5 * 4096 * 4096 + 2 * 4096
+    assert (f["weights"], f["gradients"], f["optimizer"]) == (params, params, 2 * params)
+    assert f["gathered"] == 4 * 5 * 4096 * 4096 + 3 * 4 * shape.layer_params()
+    assert f["total"] == m["total"] - 12 * params + f["gathered"]
+    assert f["activations"] == m["activations"] and f["frozen_embed_head"] == m["frozen_embed_head"]
+
+
+def test_auto_shards_the_drafter_exactly_where_its_ddp_step_stops_fitting(qwen3_8b_world, capsys):
+    """train.parallelism=auto: ddp while the DDP step fits the drafter's GPU share, fsdp 1% below it (two
+    drafter ranks), ddp again with one rank (nothing to shard over); the plan prints the choice."""
+    ddp = _drafter_peak(qwen3_8b_world, capsys) / GIB
+    for memory, ranks, chosen in ((ddp * 1.01, 2, "ddp"), (ddp * 0.99, 2, "fsdp"), (ddp * 0.99, 1, "ddp")):
+        assert run_command("plan", qwen3_8b_world + ["--json", f"cluster.device_memory_gb={memory}",
+                                                   f"cluster.drafter_workers={ranks}"]) == 0
+        mem = json.loads(capsys.readouterr().out)["memory"]
+        assert mem["parallelism"] == chosen, (memory, ranks)
+        assert mem["drafter"]["total"] == (mem["drafter_fsdp"] if chosen == "fsdp" else mem["drafter_ddp"])
+        if chosen == "fsdp":
+            assert mem["drafter_fsdp"] < mem["drafter_ddp"] and mem["warnings"] == []   # and it fits
+    assert run_command("plan", qwen3_8b_world + ["train.parallelism=fsdp"]) == 0
+    assert "drafter parallelism: fsdp over 2 rank(s)" in capsys.readouterr().out

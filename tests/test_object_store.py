@@ -55,7 +55,7 @@ def test_plan_prints_the_need_for_the_configs_largest_batch():
     padded tokens is 16,384 x (40,960 + 5) B a block, one a block (over cluster.stream_block_mb's 32 MiB)."""
     import numpy as np
 
-    from dflash_ray.cli import plan_object_store
+    from dflash_ray.runtime.plan_sizing import plan_object_store
     from dflash_ray.config import compose_config
 
     class Plan:

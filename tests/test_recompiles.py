@@ -8,11 +8,14 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 from bench_recompiles import CPU_BUCKETS, GRAPH_BOUND, count_graphs  # noqa: E402
 
 
+@pytest.mark.slow
 def test_mixed_buckets_build_at_most_six_graphs_then_none():
     seq = [CPU_BUCKETS[i] for i in (0, 3, 5, 1, 6, 2, 4)]       # every bucket once, one-row ones mid-way
     first = count_graphs(seq, dynamic=None, backend="eager", cuda=False)

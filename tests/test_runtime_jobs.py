@@ -57,14 +57,15 @@ def test_run_directory(job_run, tiny_plan_batches):
     assert [c["step"] for c in s["checkpoints"]] == due
     state = read_state(Path(s["checkpoint"]))
     assert state["cursor"] == {"epoch": 2, "position": 0, "step": sum(steps)} and state["world_size"] == 2
-    # what each checkpoint cost: its step's metrics line (write seconds, rank 0's bytes: every file of the
-    # checkpoint but rank 1's RNG), its upload's seconds on a later line, the totals in the summary
+    # what each checkpoint cost: its step's metrics line (the seconds the step waited for rank 0's state, a
+    # host snapshot whose files are written in the background, and its bytes: the tensors of the weights and
+    # of the optimizer state, counted here from the files), its upload's seconds on a later line, the totals
     lines = {m["step"]: m for m in metrics if "checkpoint_bytes" in m}
     assert sorted(lines) == due
-    assert all(m["checkpoint_write_seconds"] > 0 and m["checkpoint_upload"] == "async" for m in lines.values())
+    assert all(m["checkpoint_write_seconds"] > 0 and m["checkpoint_upload"] == "async"
+               and m["checkpoint_write"] == "background" for m in lines.values())
     final = Path(s["checkpoint"])
-    assert lines[due[-1]]["checkpoint_bytes"] == sum(f.stat().st_size for f in final.iterdir()
-                                                     if f.name != "rng_rank1.pt")
+    assert lines[due[-1]]["checkpoint_bytes"] == _tensor_bytes(final)
     uploads = [m["checkpoint_upload_step"] for m in metrics if "checkpoint_upload_step" in m]
     assert uploads and set(uploads) <= set(due[:-1])        # the last one's upload ends after the last line
     assert all(c["upload"] == "async" and c["upload_seconds"] > 0 and c["bytes"] == lines[c["step"]]["checkpoint_bytes"]
@@ -117,3 +118,20 @@ def load_weights_file(path):
     from safetensors.torch import load_file
 
     return load_file(str(path))
+
+
+def _tensor_bytes(checkpoint: Path) -> int:
+    """Bytes of every tensor in a checkpoint's weights and optimizer files."""
+    from safetensors.torch import load_file
+
+    def walk(obj):
+        if isinstance(obj, torch.Tensor):
+            return obj.numel() * obj.element_size()
+        if isinstance(obj, dict):
+            return sum(walk(v) for v in obj.values())
+        if isinstance(obj, (list, tuple)):
+            return sum(walk(v) for v in obj)
+        return 0
+
+    weights = load_file(str(checkpoint / "drafter.safetensors"))
+    return walk(weights) + walk(torch.load(checkpoint / "optim.pt", weights_only=False))

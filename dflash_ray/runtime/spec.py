@@ -12,6 +12,8 @@ run's first start is runtime/record/run_inputs.py.
 """
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 from dataclasses import asdict, dataclass
@@ -199,6 +201,14 @@ def resolve_spec(cfg, log=print, *, inputs: bool = True, record: bool = True) ->
     if record:
         check_run_inputs(spec, tcfg, scan, log=log)
     return spec
+
+
+def with_parallelism(spec: RunSpec, parallelism: str, log=print) -> RunSpec:
+    """The spec with train.parallelism resolved (auto -> what runtime/plan_sizing.choose_parallelism says)."""
+    if parallelism != spec.train.parallelism and parallelism == "fsdp":
+        log("drafter parallelism: fsdp (train.parallelism=auto: the memory model's DDP step does not fit the "
+            "drafter's GPU share)")
+    return dataclasses.replace(spec, train=dataclasses.replace(spec.train, parallelism=parallelism))
 
 
 def _heldout_prompts(d) -> str | None:

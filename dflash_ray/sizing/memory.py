@@ -162,6 +162,21 @@ def drafter_step_memory(shape: Shape, *, draft_layers: int, taps: int, block_tok
     return parts
 
 
+def sharded_step_memory(parts: dict, shape: Shape, *, taps: int, world: int) -> dict:
+    """The step's peak (drafter_step_memory's parts) under FSDP over `world` ranks (train.parallelism=fsdp):
+    the fp32 weights, gradients and AdamW moments are 1/world on each rank; gathered whole at a time are the
+    root's own parameters (fc: taps x H x H, kept for the step), the running decoder layer and the next one
+    (prefetched), in fp32, and one layer's gradients before their reduce-scatter. Activations, features,
+    the frozen embedding/head and the loss chunk are per rank as under DDP."""
+    layer = 4 * shape.layer_params()
+    out = dict(parts)
+    for k in ("weights", "gradients", "optimizer"):
+        out[k] = -(-parts[k] // world)
+    out["gathered"] = 4 * taps * shape.hidden ** 2 + 2 * layer + layer
+    out["total"] = sum(v for k, v in out.items() if k != "total")
+    return out
+
+
 def target_actor_memory(shape: Shape, *, last_tap: int, taps: int, tokens: int, weight_bytes: int) -> dict:
     """Bytes of a target actor's forward: the weights it loads (embedding, layers 0..last tap; no head),
     the features it returns (taps x H per token) and one layer's working set (no autograd): the hidden
@@ -176,12 +191,15 @@ def target_actor_memory(shape: Shape, *, last_tap: int, taps: int, tokens: int, 
 
 def memory_report(plan, target: dict, *, draft_layers: int, layer_ids: list[int], use_gpu: bool,
                   stored_bytes: int, device_memory_gib: float, drafter_share: float, target_share: float,
-                  recompute_layers: bool, drafter_sizes: dict | None = None) -> dict:
+                  recompute_layers: bool, drafter_sizes: dict | None = None, drafter_ranks: int = 1,
+                  parallelism: str = "ddp") -> dict:
     """The drafter step's estimated peak for every batch of the plan (the worst one reported, and the
     spread over buckets) and the target actor's for the longest batch, against the device's memory per
     process (its share of the GPU). Text lines, figures, warnings. stored_bytes: the element size of the
     target's checkpoint (the frozen embedding/head keep it; a GPU target actor loads bf16). drafter_sizes:
-    the drafter's own intermediate/heads/kv_heads where the config sets them."""
+    the drafter's own intermediate/heads/kv_heads where the config sets them. parallelism (ddp | fsdp | auto)
+    over `drafter_ranks`: the figure of the one the run uses ("parallelism" in the result; auto is ddp when
+    its step fits the drafter's share of a GPU, else fsdp), with the other beside it."""
     target_shape = Shape.of(target)
     shape = target_shape.drafter(**(drafter_sizes or {}))
     taps = len(layer_ids)
@@ -190,6 +208,14 @@ def memory_report(plan, target: dict, *, draft_layers: int, layer_ids: list[int]
     peaks = np.array([p["total"] for p in parts])
     worst = int(np.argmax(peaks))
     drafter = parts[worst]
+    fsdp = sharded_step_memory(drafter, shape, taps=taps, world=max(1, drafter_ranks))
+    have_drafter = device_memory_gib * drafter_share * GIB
+    if parallelism == "auto":
+        parallelism = "fsdp" if (use_gpu and drafter_ranks > 1 and drafter["total"] > have_drafter) else "ddp"
+    ddp_total = drafter["total"]
+    if parallelism == "fsdp" and drafter_ranks > 1:   # every batch's peak less what sharding takes off
+        peaks = peaks - ddp_total + fsdp["total"]
+        drafter = fsdp
     trained, _ = plan.drafter_anchors()
     block = plan.plan_spec.block_size
     by_bucket = [float(peaks[plan.bucket == b].max()) for b in range(len(plan.plan_spec.boundaries))
@@ -206,6 +232,8 @@ def memory_report(plan, target: dict, *, draft_layers: int, layer_ids: list[int]
             f"activations {g(drafter['activations'])}{' (layers checkpointed)' if recompute_layers else ''}, "
             f"loss chunk {g(drafter['loss_chunk'])}" + (f", dense mask {g(drafter['dense_mask'])}" if drafter["dense_mask"] else ""),
             f"  worst batch of each bucket, max/min: {max(by_bucket) / min(by_bucket):.2f}",
+            f"  drafter parallelism: {parallelism} over {drafter_ranks} rank(s) (DDP {g(ddp_total)} a rank; FSDP "
+            f"{g(fsdp['total'])}: weights+grads+AdamW 1/{max(1, drafter_ranks)}, {g(fsdp['gathered'])} gathered at a time)",
             f"  target actor {g(target_mem['total'])}: weights {g(target_mem['weights'])}, "
             f"features {g(target_mem['features'])}, one layer's working set {g(target_mem['working'])}"]
     warnings = []
@@ -220,7 +248,8 @@ def memory_report(plan, target: dict, *, draft_layers: int, layer_ids: list[int]
                         f"(cluster.device_memory_gb {device_memory_gib:g} x share {share:g})")
             if need > have:
                 warnings.append(f"WARNING: the {name} needs ~{g(need)}, more than its {have / GIB:,.1f} GiB: {hint}")
-    return {"drafter": drafter, "drafter_worst_batch": worst, "drafter_bucket_max_over_min": max(by_bucket) / min(by_bucket),
+    return {"drafter": drafter, "parallelism": parallelism, "drafter_ddp": ddp_total, "drafter_fsdp": fsdp["total"],
+            "drafter_worst_batch": worst, "drafter_bucket_max_over_min": max(by_bucket) / min(by_bucket),
             "target": target_mem, "text": text + warnings, "warnings": warnings}
 
 

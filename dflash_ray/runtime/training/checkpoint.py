@@ -148,6 +148,27 @@ def capture_state(drafter, optimizer, scheduler, host: HostBuffers | None = None
     return StateSnapshot(weights=weights, optim=optim, rng=rng_state(), nbytes=nbytes)
 
 
+def gather_state(drafter, optimizer, scheduler, rank: int) -> StateSnapshot | None:
+    """An FSDP-sharded drafter's state, gathered whole (every rank calls it: collectives) onto rank 0's host,
+    in the files' usual form (the optimizer keyed by parameter name: `optimizer_by_name` in optim.pt).
+    None on the other ranks. sharding.py says why gathered."""
+    from dflash_ray.runtime.training.sharding import gather_full_state
+
+    weights, optim = gather_full_state(drafter, optimizer)
+    if rank != 0:
+        return None
+    if not any(p.is_cuda for p in drafter.parameters()):
+        # on the CPU the gathered dict still holds some live tensors (AdamW's step counters, never sharded):
+        # the background write must not see the next steps' values
+        optim = copy.deepcopy(optim)
+    weights = {k: v.contiguous() for k, v in weights.items()}
+    sizes: list = []
+    _map_tensors(optim, lambda _path, t: sizes.append(t.numel() * t.element_size()))
+    return StateSnapshot(weights=weights, optim={"optimizer_by_name": optim,
+                                                 "scheduler": copy.deepcopy(scheduler.state_dict())},
+                         rng=rng_state(), nbytes=sum(t.numel() * t.element_size() for t in weights.values()) + sum(sizes))
+
+
 def write_checkpoint(out_dir: Path, *, drafter=None, optimizer=None, scheduler=None, cursor: Cursor,
                      world_size: int, extra: dict | None = None, fault_pause=None,
                      snapshot: StateSnapshot | None = None) -> None:
@@ -205,12 +226,23 @@ def load_weights(ckpt_dir: Path) -> dict:
 
 
 def load_checkpoint(ckpt_dir: Path, *, drafter, optimizer, scheduler, rank: int) -> Cursor:
-    """Restore weights, optimizer, scheduler and this rank's RNG; return the cursor."""
+    """Restore weights, optimizer, scheduler and this rank's RNG; return the cursor. Either parallelism
+    reads either's checkpoint (the optimizer state by index under DDP, by parameter name under FSDP: each
+    converted to the other's form), on any world size."""
+    from dflash_ray.runtime.training.sharding import (is_sharded, load_full_state, optimizer_by_index,
+                                                      optimizer_by_name, trainable_names)
+
     meta = read_state(ckpt_dir)
     module = getattr(drafter, "module", drafter)
-    module.load_state_dict(load_weights(ckpt_dir), strict=True)
     opt = torch.load(Path(ckpt_dir) / OPTIM, map_location="cpu", weights_only=False)
-    optimizer.load_state_dict(opt["optimizer"])
+    names = trainable_names(module)
+    if is_sharded(module):   # every rank reads the whole state and keeps its shard
+        by_name = opt.get("optimizer_by_name") or optimizer_by_name(opt["optimizer"], names)
+        load_full_state(module, optimizer, load_weights(ckpt_dir), by_name)
+    else:
+        module.load_state_dict(load_weights(ckpt_dir), strict=True)
+        optimizer.load_state_dict(opt["optimizer"] if "optimizer" in opt
+                                  else optimizer_by_index(opt["optimizer_by_name"], names))
     scheduler.load_state_dict(opt["scheduler"])
     rng = Path(ckpt_dir) / f"rng_rank{rank}.pt"
     if rng.exists():  # a rank that did not exist before (more workers now) keeps its fresh seed
@@ -385,7 +417,8 @@ def remove_orphaned_local_checkpoints(tmp_dir: str | None = None) -> list[str]:
 
 def save_checkpoint(*, rank: int, world_size: int, drafter, optimizer, scheduler, cursor: Cursor, metrics: dict,
                     before_register=None, on_uploaded=None, upload: str = "sync", host: HostBuffers | None = None,
-                    extra: dict | None = None, fault_pause=None, fault_pause_where: str = "write") -> dict:
+                    snapshot: StateSnapshot | None = None, extra: dict | None = None, fault_pause=None,
+                    fault_pause_where: str = "write") -> dict:
     """Every rank calls this at the same step (`ray.train.report` is a barrier). Rank 0 writes the state,
     the others their RNG; `before_register(cost)` runs on rank 0 before the checkpoint is handed to Ray
     Train (e.g. wait for the step's ledger lines), with cost = {"checkpoint_write_seconds",
@@ -405,6 +438,9 @@ def save_checkpoint(*, rank: int, world_size: int, drafter, optimizer, scheduler
     resumes from the previous checkpoint); the last upload is waited for when the train function returns.
     The ledger lines written by `before_register` are on disk before `report` is even called, so before
     registration.
+
+    `snapshot`: rank 0's state already taken (FSDP: `gather_state`, a collective every rank ran before); it
+    is written instead of the live state, in the background with async.
 
     `fault_pause()` (test-only, tests/reliability/): rank 0 calls it halfway through writing its files
     (fault_pause_where="write") or after uploading them, before the checkpoint is registered ("upload").
@@ -430,7 +466,7 @@ def save_checkpoint(*, rank: int, world_size: int, drafter, optimizer, scheduler
         if rank == 0:
             t0 = time.perf_counter()
             write_checkpoint(tmp, drafter=drafter, optimizer=optimizer, scheduler=scheduler, cursor=cursor,
-                             world_size=world_size, extra=extra, fault_pause=write_pause)
+                             world_size=world_size, extra=extra, fault_pause=write_pause, snapshot=snapshot)
             cost.update(checkpoint_write_seconds=time.perf_counter() - t0, checkpoint_bytes=dir_bytes(tmp),
                         checkpoint_write="step")
             if before_register is not None:
@@ -448,10 +484,13 @@ def save_checkpoint(*, rank: int, world_size: int, drafter, optimizer, scheduler
         raise ValueError(f"checkpoint upload mode {upload!r}: expected 'sync' or 'async'")
     from ray.train import CheckpointUploadMode
 
-    background = rank == 0 and host is not None and upload_fn is not None
+    background = rank == 0 and (host is not None or snapshot is not None) and upload_fn is not None
     if background:
         t0 = time.perf_counter()
-        snapshot = capture_state(drafter, optimizer, scheduler, host)
+        if snapshot is None:
+            snapshot = capture_state(drafter, optimizer, scheduler, host)
+        else:
+            host = None   # a gathered snapshot is its own copy
         cost.update(checkpoint_write_seconds=time.perf_counter() - t0, checkpoint_bytes=snapshot.nbytes,
                     checkpoint_write="background")
         if before_register is not None:
@@ -461,7 +500,7 @@ def save_checkpoint(*, rank: int, world_size: int, drafter, optimizer, scheduler
     # not a TemporaryDirectory: Ray Train reads it after `report` returns and deletes it after the upload
     tmp = tempfile.mkdtemp(prefix=_local_prefix())
     try:
-        if background:
+        if background and host is not None:
             host.idle.clear()   # the snapshot is the background write's until it is done with it
         else:
             write_now(Path(tmp))
@@ -470,13 +509,14 @@ def save_checkpoint(*, rank: int, world_size: int, drafter, optimizer, scheduler
                          delete_local_checkpoint_after_upload=True, checkpoint_upload_fn=upload_fn)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)   # no upload was started from it
-        if background:
+        if background and host is not None:
             host.idle.set()
         raise
     return cost
 
 
-def _written_then_uploaded(snapshot: StateSnapshot, host: HostBuffers, upload_fn, written: dict, **write_kwargs):
+def _written_then_uploaded(snapshot: StateSnapshot, host: HostBuffers | None, upload_fn, written: dict,
+                           **write_kwargs):
     """Rank 0's `checkpoint_upload_fn` for a background write: the files from the snapshot into the local
     directory Ray Train hands over (its seconds into `written`), then the timed upload; the host buffers are
     free again after the write (or its failure, which fails the worker as a failed upload does)."""
@@ -485,7 +525,8 @@ def _written_then_uploaded(snapshot: StateSnapshot, host: HostBuffers, upload_fn
         try:
             write_checkpoint(Path(checkpoint.path), snapshot=snapshot, **write_kwargs)
         finally:
-            host.idle.set()
+            if host is not None:
+                host.idle.set()
         written["seconds"] = time.perf_counter() - t0
         return upload_fn(checkpoint, checkpoint_dir_name)
 
@@ -544,13 +585,18 @@ class CheckpointManager:
         registered; the step's metrics line says what the write cost; the upload's seconds go on a later one."""
         from dflash_ray.runtime.training.faults import checkpoint_pause
 
+        from dflash_ray.runtime.training.sharding import is_sharded
+
         record, upload = self.record, self.train.checkpoint_upload
         record.release(consumed)
         t0 = time.perf_counter()
         pause, where = checkpoint_pause(self.faults, step, self.rank, record)
+        # FSDP: every rank takes part in gathering rank 0's copy of the whole state
+        snapshot = gather_state(drafter, optimizer, scheduler, self.rank) if is_sharded(drafter) else None
         cost = save_checkpoint(
             rank=self.rank, world_size=self.world, drafter=drafter, optimizer=optimizer, scheduler=scheduler,
             cursor=cursor, metrics={"step": step, "loss": loss}, upload=upload, host=self.host, extra=extra,
+            snapshot=snapshot,
             before_register=lambda cost: record.flush(consumed, {**cost, "checkpoint_upload": upload}, wait=True),
             on_uploaded=lambda seconds: record.checkpoint_uploaded(step, seconds),
             fault_pause=pause, fault_pause_where=where)

@@ -79,12 +79,18 @@ def adamw_fused(device_type: str) -> bool | None:
 
 
 def build_model(run_spec, device, world_size: int, schedule_steps: int):
-    """The drafter, its loss module (DDP-wrapped across workers), the optimizer and the LR schedule."""
+    """The drafter, its loss module (DDP-wrapped across workers, or over an FSDP-sharded drafter:
+    train.parallelism, sharding.py), the optimizer and the LR schedule."""
+    from dflash_ray.runtime.training.sharding import shard
+
     drafter = build_run_drafter(run_spec, device)
-    if device.type == "cuda" and run_spec.train.compile:
-        drafter.compile_layers()  # GPU only (not run here yet: benchmarks/gpu_check.sh times the same call)
     model = LossModule(drafter)
-    if world_size > 1:
+    fsdp = world_size > 1 and run_spec.train.parallelism == "fsdp"
+    if fsdp:
+        model = shard(drafter, model, device)
+    if device.type == "cuda" and run_spec.train.compile:
+        drafter.compile_layers()  # GPU only (after sharding: FSDP's hooks stay outside the compiled layers)
+    if world_size > 1 and not fsdp:
         # gradient_as_bucket_view: the gradients live in DDP's all-reduce buckets (no second copy of them)
         model = nn.parallel.DistributedDataParallel(
             model, device_ids=[device.index] if device.type == "cuda" else None, broadcast_buffers=False,

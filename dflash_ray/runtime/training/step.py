@@ -29,6 +29,7 @@ import torch
 
 from dflash_ray.model.loss import expected_acceptance_length
 from dflash_ray.runtime.stream.rows import FILLER, TrainRow
+from dflash_ray.runtime.training.sharding import full_value, is_sharded, micro_step
 
 
 def batch_seed(seed: int, epoch: int, position: int) -> int:
@@ -128,15 +129,17 @@ def train_step(model, drafter, optimizer, scheduler, rows: list[TrainRow], *, ra
         stats.batch_epoch[j] = row.epoch
         if row.is_filler and a != last:
             continue  # nothing to train, and no collective happens in a no_sync micro-step
-        no_sync = getattr(model, "no_sync", None)
-        sync = no_sync() if (a != last and no_sync is not None) else contextlib.nullcontext()
+        sync = micro_step(model, last=a == last)
         ids, mask, context, lengths = row.tensors(device)
         generator = torch.Generator().manual_seed(batch_seed(seed, row.epoch, max(row.position, 0)))
         with sync:
             with autocast():
                 loss_sum, weight_sum, correct, count, prefix, blocks = model(ids, mask, context, lengths, generator)
             if row.is_filler:
-                _zero_backward(model)
+                if is_sharded(drafter):   # FSDP's reduce-scatter fires from the forward's graph: through it
+                    (loss_sum * 0.0).backward()
+                else:
+                    _zero_backward(model)
                 continue
             (loss_sum * float(workers)).backward()
         stats.loss_sum += float(loss_sum.detach())
@@ -158,10 +161,10 @@ def train_step(model, drafter, optimizer, scheduler, rows: list[TrainRow], *, ra
         for p in params:
             if p.grad is not None:
                 p.grad.div_(total.weight_sum)
-    if grad_clip > 0:
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, grad_clip))
+    if grad_clip > 0:   # (FSDP: a DTensor over the shards, whole on every rank once full)
+        grad_norm = float(full_value(torch.nn.utils.clip_grad_norm_(params, grad_clip)))
     else:  # still measured: a non-finite gradient must be seen to be skipped
-        grad_norm = float(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None]))
+        grad_norm = float(full_value(torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])))
     # identical on every rank: the all-reduced stats and the norm of the all-reduced gradients
     finite = math.isfinite(total.loss_sum) and math.isfinite(total.weight_sum) and math.isfinite(grad_norm)
     lr = scheduler.get_last_lr()[0]
