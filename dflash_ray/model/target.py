@@ -176,7 +176,8 @@ class TargetFeatureExtractor(nn.Module):
     final-normed state, so a tap on the last layer gets the final norm too.
     """
 
-    def __init__(self, target_model, layer_ids: list[int], num_target_layers: int | None = None):
+    def __init__(self, target_model, layer_ids: list[int], num_target_layers: int | None = None,
+                 stages: list[tuple[int, int]] | None = None, rank: int = 0):
         super().__init__()
         self.target = target_model  # registered so .to() moves it; it stays frozen
         self.decoder = _decoder(target_model)
@@ -190,12 +191,24 @@ class TargetFeatureExtractor(nn.Module):
             raise ValueError(f"target_layer_ids {self.layer_ids} out of range for a {n_layers}-layer target")
         self.last_layer = max(self.layer_ids)
         self.hidden_size = self.config.hidden_size
+        # a stage of a target split over processes (load_target_stage): the layers this one runs
+        self.stages = list(stages) if stages else None
+        self.stage = self.stages[rank] if self.stages else (0, self.last_layer + 1)
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+        hidden = self.decoder.embed_tokens(input_ids)
+        out = hidden.new_empty(input_ids.shape[0], input_ids.shape[1], len(self.layer_ids) * self.hidden_size)
+        self.run_layers(hidden, input_ids, attention_mask, out)
+        return out
+
+    @torch.no_grad()
+    def run_layers(self, hidden: torch.Tensor, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+                   out: torch.Tensor) -> torch.Tensor:
+        """Run this extractor's layers (all up to the last tap, or its stage's) on `hidden`, writing each
+        tapped layer straight into its slice of `out` (no list of hidden states is kept); the last hidden."""
         dec = self.decoder
         batch_size, seq = input_ids.shape
-        hidden = dec.embed_tokens(input_ids)
         position_ids = torch.arange(seq, device=input_ids.device).unsqueeze(0).expand(batch_size, -1)
         mask = create_causal_mask(
             config=self.config, inputs_embeds=hidden, attention_mask=attention_mask,
@@ -209,13 +222,10 @@ class TargetFeatureExtractor(nn.Module):
             not layer_types and getattr(self.config, "sliding_window", None) is not None)
         if sliding:
             raise NotImplementedError("sliding-window targets are not supported by TargetFeatureExtractor")
-
-        # Write each tapped layer straight into its slice of the output: no list of hidden states is kept.
-        out = hidden.new_empty(batch_size, seq, len(self.layer_ids) * self.hidden_size)
         slots = {}
         for j, layer_id in enumerate(self.layer_ids):
             slots.setdefault(layer_id, []).append(j)
-        for i in range(self.last_layer + 1):  # layers after the last tapped one never run
+        for i in range(*self.stage):  # layers after the last tapped one never run
             hidden = dec.layers[i](
                 hidden, attention_mask=mask, position_embeddings=position_embeddings,
                 position_ids=position_ids, use_cache=False,
@@ -225,7 +235,7 @@ class TargetFeatureExtractor(nn.Module):
             for j in slots.get(i, ()):
                 tapped = dec.norm(hidden) if i == self.num_target_layers - 1 else hidden
                 out[..., j * self.hidden_size:(j + 1) * self.hidden_size] = tapped
-        return out
+        return hidden
 
 
 def _read_config(path: str) -> dict:
@@ -311,3 +321,99 @@ def default_mask_token_id(vocab_size: int, tokenizer=None) -> int:
         if len(tokenizer) < vocab_size:
             return len(tokenizer)
     return int(vocab_size) - 1
+
+
+# ----------------------------------------------------------------------------- a target over k processes
+def stage_layers(num_layers: int, stages: int, embed_share: float = 0.0) -> list[tuple[int, int]]:
+    """Contiguous layer ranges [start, stop) of decoder layers 0..num_layers-1 for `stages` processes, as
+    even as whole layers allow, the first stage giving up `embed_share` of a layer per stage's worth to the
+    embedding it also holds (its size in layers: vocab x H / a layer's parameters)."""
+    if not 1 <= stages <= num_layers:
+        raise ValueError(f"{stages} stages for {num_layers} layers")
+    per = (num_layers + embed_share) / stages
+    bounds = [0]
+    for s in range(1, stages):
+        bounds.append(min(num_layers - (stages - s), max(bounds[-1] + 1, round(s * per - embed_share))))
+    bounds.append(num_layers)
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def load_target_stage(path: str, layer_ids: list[int], stages: list[tuple[int, int]], rank: int,
+                      device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> "TargetFeatureExtractor":
+    """A TargetFeatureExtractor holding only decoder layers [start, stop) = stages[rank] (`stage_layers`)
+    (and the embedding when start is 0,
+    the final norm when a tap is on the target's last layer): one process's part of a target replica split
+    over several (`replica_features`). The model is built on the meta device and only this stage's tensors
+    are read from the safetensors files onto `device`: a 70B target's stage never sits whole anywhere."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModel
+
+    device = torch.device(device)
+    if dtype is None:
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    start, stop = stages[rank]
+    config = AutoConfig.from_pretrained(path)
+    text = text_config(config)
+    total = int(text.num_hidden_layers)
+    keep = max(int(i) for i in layer_ids) + 1
+    if stages[-1][1] != keep:
+        raise ValueError(f"stages {stages} do not end at the last tapped layer's successor ({keep})")
+    text.num_hidden_layers = keep
+    if getattr(text, "layer_types", None):
+        text.layer_types = list(text.layer_types)[:keep]
+    with torch.device("meta"):
+        model = AutoModel.from_config(config, dtype=dtype, attn_implementation="sdpa")
+    mine = [f"layers.{i}." for i in range(start, stop)] + (["embed_tokens."] if start == 0 else []) + ["norm."]
+    wanted = {}
+    for key, file in _weight_files(path).items():
+        name = key[len("model."):] if key.startswith("model.") else key
+        if any(name.startswith(p) for p in mine):
+            wanted.setdefault(file, []).append((key, name))
+    state = {}
+    for file, keys in wanted.items():
+        with safe_open(file, framework="pt", device=str(device) if device.type == "cuda" else "cpu") as f:
+            for key, name in keys:
+                state[name] = f.get_tensor(key).to(device=device, dtype=dtype)
+    model.load_state_dict(state, strict=False, assign=True)
+    with torch.device(device):   # the rotary embedding's buffers are computed, not read
+        model.rotary_emb = type(model.rotary_emb)(config=text)
+    model.eval().requires_grad_(False)
+    return TargetFeatureExtractor(model, layer_ids, num_target_layers=total, stages=stages, rank=rank)
+
+
+@torch.no_grad()
+def replica_features(stage: "TargetFeatureExtractor", input_ids: torch.Tensor, attention_mask: torch.Tensor,
+                     group=None) -> torch.Tensor | None:
+    """The tapped-layer features of a target split over the processes of `group` (rank r holds stage r:
+    `load_target_stage`), in a pipeline: every rank gets the same ids and mask, rank 0 embeds and runs its
+    layers, each rank hands its last hidden state to the next (send/recv: NCCL between GPUs, gloo on CPUs),
+    and every rank's tapped slices go to rank 0, which returns [B, S, taps x H] (the others None)."""
+    import torch.distributed as dist
+
+    rank, size = dist.get_rank(group), dist.get_world_size(group)
+    to_global = (lambda r: dist.get_global_rank(group, r)) if group is not None else (lambda r: r)
+    b, s = input_ids.shape
+    h = stage.hidden_size
+    dtype = next(stage.decoder.layers[stage.stage[0]].parameters()).dtype
+    if rank == 0:
+        hidden = stage.decoder.embed_tokens(input_ids)
+    else:
+        hidden = torch.empty(b, s, h, dtype=dtype, device=input_ids.device)
+        dist.recv(hidden, src=to_global(rank - 1), group=group)
+    out = hidden.new_zeros(b, s, len(stage.layer_ids) * h)
+    hidden = stage.run_layers(hidden, input_ids, attention_mask, out)
+    if rank < size - 1:
+        dist.send(hidden.contiguous(), dst=to_global(rank + 1), group=group)
+    mine = [j for j, i in enumerate(stage.layer_ids) if stage.stage[0] <= i < stage.stage[1]]
+    if rank != 0:
+        for j in mine:
+            dist.send(out[..., j * h:(j + 1) * h].contiguous(), dst=to_global(0), group=group)
+        return None
+    for src in range(1, size):
+        lo, hi = stage.stages[src]
+        for j, i in enumerate(stage.layer_ids):
+            if lo <= i < hi:
+                part = torch.empty(b, s, h, dtype=out.dtype, device=out.device)
+                dist.recv(part, src=to_global(src), group=group)
+                out[..., j * h:(j + 1) * h] = part
+    return out

@@ -1,0 +1,69 @@
+"""A target split over processes (model/target.py: load_target_stage, replica_features; the pieces of
+cluster.target_gpus_per_replica): two processes on gloo, each holding only its layers, give rank 0 the
+features of the unsplit target exactly; the stages' layer ranges by hand."""
+from __future__ import annotations
+
+import socket
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from helpers_model import TINY_QWEN3
+
+LAYERS, TAPS = 6, [1, 3, 5]   # a tap on the last layer: HF's final norm applies to it
+
+
+def test_stage_ranges_by_hand():
+    from dflash_ray.model.target import stage_layers
+
+    assert stage_layers(6, 2) == [(0, 3), (3, 6)]
+    assert stage_layers(6, 3) == [(0, 2), (2, 4), (4, 6)]
+    assert stage_layers(78, 2, embed_share=4.0) == [(0, 37), (37, 78)]   # (78 + 4) / 2 = 41 -> 41 - 4 = 37
+    assert stage_layers(3, 3) == [(0, 1), (1, 2), (2, 3)]
+    with pytest.raises(ValueError):
+        stage_layers(2, 3)
+
+
+def _stage(rank, port, target, out):
+    import torch.distributed as dist
+
+    from dflash_ray.model.target import load_target_stage, replica_features, stage_layers
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        stages = stage_layers(LAYERS, 2)
+        stage = load_target_stage(target, TAPS, stages, rank)
+        held = {n.split(".")[1] for n, p in stage.decoder.named_parameters() if n.startswith("layers.")
+                and not p.is_meta}
+        g = torch.Generator().manual_seed(0)
+        ids = torch.randint(0, 200, (2, 24), generator=g)
+        mask = torch.ones(2, 24, dtype=torch.long)
+        mask[1, 20:] = 0                                           # a right-padded row
+        feats = replica_features(stage, ids, mask)
+        torch.save({"features": feats, "layers": sorted(int(x) for x in held),
+                    "embedding": not stage.decoder.embed_tokens.weight.is_meta, "ids": ids, "mask": mask},
+                   f"{out}.{rank}")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_processes_give_the_unsplit_targets_features(tmp_path):
+    from dflash_ray.model.target import build_synthetic_target, load_feature_extractor
+
+    target = build_synthetic_target({**TINY_QWEN3, "num_hidden_layers": LAYERS}, 300, str(tmp_path / "t"), seed=1)
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    out = tmp_path / "out"
+    mp.spawn(_stage, args=(port, target, str(out)), nprocs=2, join=True)
+    r0, r1 = (torch.load(f"{out}.{r}", weights_only=False) for r in (0, 1))
+    # each process read only its own layers (and rank 0 the embedding)
+    assert (r0["layers"], r1["layers"]) == ([0, 1, 2], [3, 4, 5]) and r0["embedding"] and not r1["embedding"]
+    assert r1["features"] is None
+    whole = load_feature_extractor(target, TAPS)(r0["ids"], r0["mask"])
+    assert r0["features"].shape == whole.shape == (2, 24, 3 * TINY_QWEN3["hidden_size"])
+    assert torch.equal(r0["features"], whole)
