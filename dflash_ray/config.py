@@ -119,6 +119,9 @@ class ClusterConfig:
     drafter_workers: int = 2         # Ray Train workers (one per drafter GPU)
     target_resource: str = "target_slot"  # custom resource each target actor takes when use_gpu is false
     target_gpus: float = 1.0         # GPU share of each target actor (use_gpu; < 1 shares a GPU)
+    # GPUs one target replica spans, its layers split over them (model/target.py load_target_stage): sized by
+    # `plan` (the first stage's memory); the runtime's actor group for it is not built yet (1 only)
+    target_gpus_per_replica: int = 1
     drafter_gpus: float = 1.0        # GPU share of each drafter worker (use_gpu; < 1 shares a GPU)
     max_batches_in_flight: int = 4   # plan batches between the target actors and the trainers at most
     nodes: int = 1                   # nodes the cluster has (the capacity model's per-node split; the runtime sees them)
@@ -217,7 +220,7 @@ MINIMUM = {"model.block_size": 2, "model.num_draft_layers": 1, "model.num_anchor
            "model.drafter_num_key_value_heads": 1,
            "data.shard_size": 1, "data.max_tokens_per_batch": 1, "data.chunk_batches": 1, "data.attention_tokens": 0,
            "data.prepare_rows_per_task": 1, "data.synthetic.target_steps": 0, "data.synthetic.heldout_prompts": 0,
-           "cluster.target_workers": 1, "cluster.drafter_workers": 1, "cluster.target_gpus": 0.01,
+           "cluster.target_workers": 1, "cluster.drafter_workers": 1, "cluster.target_gpus_per_replica": 1, "cluster.target_gpus": 0.01,
            "cluster.drafter_gpus": 0.01, "cluster.max_batches_in_flight": 1, "cluster.nodes": 1,
            "cluster.stream_block_mb": 0, "cluster.device_memory_gb": 0.1,
            "data.heldout_fraction": 0.0, "train.epochs": 1, "train.lr": 0.0, "train.warmup_ratio": 0.0, "train.grad_accum": 1,

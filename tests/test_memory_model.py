@@ -187,3 +187,22 @@ def test_auto_shards_the_drafter_exactly_where_its_ddp_step_stops_fitting(qwen3_
             assert mem["drafter_fsdp"] < mem["drafter_ddp"] and mem["warnings"] == []   # and it fits
     assert run_command("plan", qwen3_8b_world + ["train.parallelism=fsdp"]) == 0
     assert "drafter parallelism: fsdp over 2 rank(s)" in capsys.readouterr().out
+
+
+def test_a_target_replica_over_two_gpus_by_hand():
+    """Llama-3.3-70B (80 layers, last tap 77): one GPU loads the embedding and 78 layers; split in two stages
+    the first holds the embedding and as many layers as even out the two (the embedding weighs ~1.25 layers)."""
+    from dflash_ray.sizing.memory import target_actor_memory
+
+    shape = Shape.of({"hidden_size": 8192, "intermediate_size": 28672, "num_hidden_layers": 80,
+                      "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 128256,
+                      "tie_word_embeddings": False})
+    layer = 2 * 8192 * 8192 + 2 * 8192 * 1024 + 3 * 8192 * 28672 + 2 * 128 + 2 * 8192
+    assert shape.layer_params() == layer
+    one = target_actor_memory(shape, last_tap=77, taps=5, tokens=16384, weight_bytes=2)
+    assert one["weights"] == 2 * (128256 * 8192 + 78 * layer)
+    share = 128256 * 8192 / layer                                   # 1.24 layers
+    first = round((78 + share) / 2 - share)                          # 38 layers beside the embedding
+    two = target_actor_memory(shape, last_tap=77, taps=5, tokens=16384, weight_bytes=2, stages=2)
+    assert first == 38 and two["weights"] == 2 * (128256 * 8192 + first * layer)
+    assert two["features"] == one["features"] and two["working"] == one["working"]

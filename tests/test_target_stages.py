@@ -67,3 +67,16 @@ def test_two_processes_give_the_unsplit_targets_features(tmp_path):
     whole = load_feature_extractor(target, TAPS)(r0["ids"], r0["mask"])
     assert r0["features"].shape == whole.shape == (2, 24, 3 * TINY_QWEN3["hidden_size"])
     assert torch.equal(r0["features"], whole)
+
+
+def test_the_runtime_refuses_a_replica_over_several_gpus_with_one_line(ray_session):
+    """`plan` sizes cluster.target_gpus_per_replica > 1; the runtime has no actor group for it yet: one line."""
+    from omegaconf import OmegaConf
+
+    from dflash_ray.config import compose_config
+    from dflash_ray.errors import UserError
+    from dflash_ray.runtime.cluster import check_resources
+
+    cluster = OmegaConf.to_object(compose_config(["cluster.target_gpus_per_replica=2"]).cluster)
+    with pytest.raises(UserError, match=r"^config key 'cluster.target_gpus_per_replica': 2 GPUs a target replica"):
+        check_resources(cluster)

@@ -19,7 +19,7 @@ from torch import nn
 
 from transformers.masking_utils import create_causal_mask
 
-from dflash_ray.sizing.memory import text_config
+from dflash_ray.sizing.memory import stage_layers, text_config  # noqa: F401  (stage_layers: the stages' layers)
 
 # transformers renamed create_causal_mask's `past_key_values` to `cache` (between 5.17, the GPU image's, and
 # 5.24, this machine's). Pass whichever name this version takes.
@@ -324,20 +324,6 @@ def default_mask_token_id(vocab_size: int, tokenizer=None) -> int:
 
 
 # ----------------------------------------------------------------------------- a target over k processes
-def stage_layers(num_layers: int, stages: int, embed_share: float = 0.0) -> list[tuple[int, int]]:
-    """Contiguous layer ranges [start, stop) of decoder layers 0..num_layers-1 for `stages` processes, as
-    even as whole layers allow, the first stage giving up `embed_share` of a layer per stage's worth to the
-    embedding it also holds (its size in layers: vocab x H / a layer's parameters)."""
-    if not 1 <= stages <= num_layers:
-        raise ValueError(f"{stages} stages for {num_layers} layers")
-    per = (num_layers + embed_share) / stages
-    bounds = [0]
-    for s in range(1, stages):
-        bounds.append(min(num_layers - (stages - s), max(bounds[-1] + 1, round(s * per - embed_share))))
-    bounds.append(num_layers)
-    return list(zip(bounds[:-1], bounds[1:]))
-
-
 def load_target_stage(path: str, layer_ids: list[int], stages: list[tuple[int, int]], rank: int,
                       device: str | torch.device = "cpu", dtype: torch.dtype | None = None) -> "TargetFeatureExtractor":
     """A TargetFeatureExtractor holding only decoder layers [start, stop) = stages[rank] (`stage_layers`)

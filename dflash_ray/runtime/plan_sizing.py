@@ -59,7 +59,7 @@ def plan_memory(cfg, plan) -> dict:
                          stored_bytes=4 if "32" in dtype else 2, device_memory_gib=c.device_memory_gb,
                          drafter_share=c.drafter_gpus, target_share=c.target_gpus,
                          recompute_layers=cfg.train.recompute_layers, drafter_ranks=c.drafter_workers,
-                         parallelism=cfg.train.parallelism,
+                         parallelism=cfg.train.parallelism, target_stages=c.target_gpus_per_replica,
                          drafter_sizes={"intermediate": m.drafter_intermediate_size,
                                         "heads": m.drafter_num_attention_heads,
                                         "kv_heads": m.drafter_num_key_value_heads})

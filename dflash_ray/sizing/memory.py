@@ -177,12 +177,33 @@ def sharded_step_memory(parts: dict, shape: Shape, *, taps: int, world: int) -> 
     return out
 
 
-def target_actor_memory(shape: Shape, *, last_tap: int, taps: int, tokens: int, weight_bytes: int) -> dict:
+def stage_layers(num_layers: int, stages: int, embed_share: float = 0.0) -> list[tuple[int, int]]:
+    """Contiguous layer ranges [start, stop) of decoder layers 0..num_layers-1 for `stages` processes, as
+    even as whole layers allow, the first stage giving up `embed_share` of a layer per stage's worth to the
+    embedding it also holds (its size in layers: vocab x H / a layer's parameters)."""
+    if not 1 <= stages <= num_layers:
+        raise ValueError(f"{stages} stages for {num_layers} layers")
+    per = (num_layers + embed_share) / stages
+    bounds = [0]
+    for s in range(1, stages):
+        bounds.append(min(num_layers - (stages - s), max(bounds[-1] + 1, round(s * per - embed_share))))
+    bounds.append(num_layers)
+    return list(zip(bounds[:-1], bounds[1:]))
+
+
+def target_actor_memory(shape: Shape, *, last_tap: int, taps: int, tokens: int, weight_bytes: int,
+                        stages: int = 1) -> dict:
     """Bytes of a target actor's forward: the weights it loads (embedding, layers 0..last tap; no head),
     the features it returns (taps x H per token) and one layer's working set (no autograd): the hidden
-    state, q/k/v, the attention output and the SwiGLU's intermediates, per token."""
+    state, q/k/v, the attention output and the SwiGLU's intermediates, per token. With `stages` > 1 (a
+    replica over several GPUs, model/target.py load_target_stage): the first stage's, which holds the
+    embedding and gathers every tap (the others hold their layers only)."""
     h = shape.hidden
-    weights = weight_bytes * (shape.vocab * h + (last_tap + 1) * shape.layer_params())
+    layers = last_tap + 1
+    if stages > 1:
+        first = stage_layers(layers, stages, embed_share=shape.vocab * h / shape.layer_params())[0]
+        layers = first[1] - first[0]
+    weights = weight_bytes * (shape.vocab * h + layers * shape.layer_params())
     working = weight_bytes * tokens * (3 * h + shape.q + 2 * shape.kv + shape.q + shape.mlp_activations())
     parts = {"weights": weights, "features": weight_bytes * tokens * taps * h, "working": working}
     parts["total"] = sum(parts.values())
@@ -192,7 +213,7 @@ def target_actor_memory(shape: Shape, *, last_tap: int, taps: int, tokens: int, 
 def memory_report(plan, target: dict, *, draft_layers: int, layer_ids: list[int], use_gpu: bool,
                   stored_bytes: int, device_memory_gib: float, drafter_share: float, target_share: float,
                   recompute_layers: bool, drafter_sizes: dict | None = None, drafter_ranks: int = 1,
-                  parallelism: str = "ddp") -> dict:
+                  parallelism: str = "ddp", target_stages: int = 1) -> dict:
     """The drafter step's estimated peak for every batch of the plan (the worst one reported, and the
     spread over buckets) and the target actor's for the longest batch, against the device's memory per
     process (its share of the GPU). Text lines, figures, warnings. stored_bytes: the element size of the
@@ -221,7 +242,8 @@ def memory_report(plan, target: dict, *, draft_layers: int, layer_ids: list[int]
     by_bucket = [float(peaks[plan.bucket == b].max()) for b in range(len(plan.plan_spec.boundaries))
                  if (plan.bucket == b).any()]
     target_mem = target_actor_memory(target_shape, last_tap=max(layer_ids), taps=taps,
-                                     tokens=int(plan.padded_tokens().max()), weight_bytes=2 if use_gpu else 4)
+                                     tokens=int(plan.padded_tokens().max()), weight_bytes=2 if use_gpu else 4,
+                                     stages=target_stages)
     where = device_kind(use_gpu).name
     g = lambda b: f"{b / GIB:,.2f} GiB" if b >= GIB / 2 else f"{b / 2 ** 20:,.1f} MiB"  # noqa: E731
     text = [f"memory model ({where}; sizing/memory.py): drafter step, worst batch (bucket {int(plan.bucket[worst])}: "
@@ -234,7 +256,7 @@ def memory_report(plan, target: dict, *, draft_layers: int, layer_ids: list[int]
             f"  worst batch of each bucket, max/min: {max(by_bucket) / min(by_bucket):.2f}",
             f"  drafter parallelism: {parallelism} over {drafter_ranks} rank(s) (DDP {g(ddp_total)} a rank; FSDP "
             f"{g(fsdp['total'])}: weights+grads+AdamW 1/{max(1, drafter_ranks)}, {g(fsdp['gathered'])} gathered at a time)",
-            f"  target actor {g(target_mem['total'])}: weights {g(target_mem['weights'])}, "
+            f"  target actor{f' (first of {target_stages} stages)' if target_stages > 1 else ''} {g(target_mem['total'])}: weights {g(target_mem['weights'])}, "
             f"features {g(target_mem['features'])}, one layer's working set {g(target_mem['working'])}"]
     warnings = []
     if use_gpu:
