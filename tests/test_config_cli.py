@@ -35,7 +35,7 @@ def test_delete_and_nested_values():
     ("trian.epochs=2", "unknown config key 'trian.epochs' (did you mean 'train.epochs'?)"),
     ("train.lr=fast", "config key 'train.lr': Value 'fast' of type 'str' could not be converted to Float"),
     ("cluster.drafter_workers=two", "config key 'cluster.drafter_workers'"),
-    ("model=qwen9", "config group 'model' has no option 'qwen9' (options: llama3_8b, qwen3_30b_a3b, qwen3_8b, smollm2_135m, tiny)"),
+    ("model=qwen9", "config group 'model' has no option 'qwen9' (options: llama3_70b, llama3_8b, qwen3_30b_a3b, qwen3_8b, smollm2_135m, tiny)"),
     ("data.interleave=zigzag", "config key 'data.interleave': 'zigzag' is not one of"),
 ])
 def test_bad_overrides_exit_2_with_one_line_naming_the_key(override, expect, capsys):

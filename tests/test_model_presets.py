@@ -348,3 +348,24 @@ def test_init_from_a_directory_that_is_no_export(tmp_path, knob_export):
     shutil.copy(f"{knob_export['dir']}/config.json", tmp_path / "config.json")  # weights missing
     with pytest.raises(ValueError, match="is not an exported drafter"):
         init_from_export(knob_export["drafter"], str(tmp_path))
+
+
+def test_the_70b_preset_scales_the_seed_runs_rates_by_the_work_per_token(tmp_path):
+    """The capacity model's seed-run rates were measured on Qwen3-8B: for Llama-3.3-70B they scale by the
+    decoder parameters a token passes through (target: all layers; drafter: 5 layers + fc), by hand."""
+    from dflash_ray.sizing.capacity import capacity_report
+
+    def layer(h, q_heads, kv_heads, head_dim, inter):   # q,o + k,v + SwiGLU
+        return 2 * h * q_heads * head_dim + 2 * h * kv_heads * head_dim + 3 * h * inter
+
+    q8, l70 = layer(4096, 32, 8, 128, 12288), layer(8192, 64, 8, 128, 28672)
+    t_scale = 36 * q8 / (80 * l70)
+    d_scale = (5 * q8 + 5 * 4096 ** 2) / (5 * l70 + 5 * 8192 ** 2)
+    cfg = compose_config(["model=llama3_70b", "data=sharegpt", "cluster=8gpu", f"run.root={tmp_path}"])
+    cap = capacity_report(cfg, {"block_tokens_per_token": 3.91, "tokens": 0})["capacity"]
+    assert cap["target_tokens_per_gpu"] == pytest.approx(25300 / 6 * t_scale)
+    assert cap["drafter_block_tokens_per_gpu"] == pytest.approx(25300 * 3.91 / 2 * d_scale)
+    assert 0.10 < t_scale < 0.11 and 0.22 < d_scale < 0.23
+    same = capacity_report(compose_config(["model=qwen3_8b", "data=sharegpt", "cluster=8gpu", f"run.root={tmp_path}"]),
+                           {"block_tokens_per_token": 3.91, "tokens": 0})["capacity"]
+    assert same["target_tokens_per_gpu"] == 25300 / 6                      # the seed run's own shape: as measured

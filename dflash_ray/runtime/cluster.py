@@ -46,8 +46,8 @@ def check_resources(cluster) -> None:
 
     total = ray.cluster_resources()
     c = cluster
-    if c.target_gpus_per_replica > 1:
-        raise UserError(f"config key 'cluster.target_gpus_per_replica': {c.target_gpus_per_replica} GPUs a target "
+    if getattr(c, "target_gpus_per_replica", 1) > 1:
+        raise UserError(f"config key 'cluster.target_gpus_per_replica': {getattr(c, 'target_gpus_per_replica')} GPUs a target "
                         "replica is sized by `dflash-ray plan` but not run yet (the target actor group is not "
                         "built): keep 1, with a target that fits one GPU's share")
     if c.use_gpu:

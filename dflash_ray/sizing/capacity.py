@@ -79,10 +79,45 @@ def _rates(cfg) -> tuple[float, float, str]:
         except (OSError, ValueError):
             pass
     sr = SEED_RUN
-    return (t if t is not None else sr["tokens_per_second"] / sr["target"],
-            d if d is not None else sr["tokens_per_second"] * sr["block_tokens_per_token"] / sr["drafter"],
+    t_scale, d_scale, scaled = _scale_from_seed(cfg)
+    return (t if t is not None else sr["tokens_per_second"] / sr["target"] * t_scale,
+            d if d is not None else sr["tokens_per_second"] * sr["block_tokens_per_token"] / sr["drafter"] * d_scale,
             "seed-run estimate: 25.3K context tokens/s on 6 target + 2 drafter GPUs at ~3.91 block tokens per "
-            "context token, drafter-bound")
+            "context token, drafter-bound" + scaled)
+
+
+# the seed run's target (Qwen3-8B) and its 5-layer drafter: what the seed run's rates were measured on
+SEED_TARGET = {"hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 36, "num_attention_heads": 32,
+               "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 151936}
+
+
+def _active_layer_params(shape) -> int:
+    """A decoder layer's parameters a token passes through (attention, the active experts' MLP)."""
+    h = shape.hidden
+    return 2 * h * shape.q + 2 * h * shape.kv + shape.mlp_activations() * h
+
+
+def _scale_from_seed(cfg) -> tuple[float, float, str]:
+    """(target, drafter) rate factors for another model than the seed run's: by the parameters a token passes
+    through (matmul FLOPs), the target's decoder layers and the drafter's layers and fc, relative to Qwen3-8B
+    and its 5-layer drafter; (1, 1, "") for that shape or an unknown one."""
+    from dflash_ray.data.plan import target_fields
+    from dflash_ray.sizing.memory import Shape
+
+    target = target_fields(cfg)
+    try:
+        here, seed = Shape.of(target or {}), Shape.of(SEED_TARGET)
+    except (KeyError, TypeError, ValueError):   # a shape without the fields (e.g. no vocab_size yet)
+        return 1.0, 1.0, ""
+    m = cfg.model
+    draft = here.drafter(m.drafter_intermediate_size, m.drafter_num_attention_heads, m.drafter_num_key_value_heads)
+    t_scale = (seed.layers * _active_layer_params(seed)) / (here.layers * _active_layer_params(here))
+    d_scale = ((5 * _active_layer_params(seed.drafter()) + 5 * seed.hidden ** 2)
+               / (m.num_draft_layers * _active_layer_params(draft) + 5 * here.hidden ** 2))
+    if abs(t_scale - 1) < 1e-3 and abs(d_scale - 1) < 1e-3:
+        return 1.0, 1.0, ""
+    return t_scale, d_scale, (f"; scaled to this target by the parameters a token passes through (target x"
+                              f"{t_scale:.3f}, drafter x{d_scale:.3f} of Qwen3-8B's)")
 
 
 def node_split(nodes: int, gpus_per_node: int, target_workers: int, drafter_workers: int,
@@ -109,11 +144,15 @@ def node_split(nodes: int, gpus_per_node: int, target_workers: int, drafter_work
 
 def capacity_report(cfg, plan_summary: dict, feature_bytes_per_token: float | None = None) -> dict:
     c = cfg.cluster
-    gpus = c.target_workers * (c.target_gpus if c.use_gpu else 1) + c.drafter_workers * (c.drafter_gpus if c.use_gpu else 1)
+    k = int(c.get("target_gpus_per_replica", 1) or 1)   # GPUs a target replica spans (its layers split over them)
+    gpus = c.target_workers * k * (c.target_gpus if c.use_gpu else 1) + c.drafter_workers * (c.drafter_gpus if c.use_gpu else 1)
     n = max(1, round(gpus))
     shared = c.use_gpu and (c.target_gpus < 1 or c.drafter_gpus < 1)   # processes sharing GPUs: colocated
     unit = ("GPU" if n == 1 else "GPUs") if c.use_gpu else "devices (CPU actors)"
     t_rate, block_rate, source = _rates(cfg)
+    # a replica's stages run one after the other on one batch at a time (model/target.py replica_features):
+    # it forwards at one GPU's rate on k GPUs, 1/k a GPU
+    t_rate = t_rate / k
     rho = plan_summary.get("block_tokens_per_token") or 1.0
     d_rate = block_rate / rho                     # the drafter's context tokens/s per GPU at this density
     together = colocated(n, t_rate, d_rate)
@@ -137,7 +176,9 @@ def capacity_report(cfg, plan_summary: dict, feature_bytes_per_token: float | No
            "epoch_hours_best": tokens / top / 3600 if tokens else None}
     text = [
         f"capacity model ({cfg.cluster.name}: {n} {unit}); rates from {source}",
-        f"  target {t_rate:,.0f} context tokens/s per device; drafter {block_rate:,.0f} block tokens/s per device "
+        f"  target {t_rate:,.0f} context tokens/s per device"
+        f"{f' (replicas of {k} GPUs, their stages in turn: 1/{k} of a GPU each)' if k > 1 else ''}; "
+        f"drafter {block_rate:,.0f} block tokens/s per device "
         f"= {d_rate:,.0f} context tokens/s at this plan's {rho:.2f} block tokens per context token",
     ]
     if configured and configured["layout"] == "split":
