@@ -119,8 +119,8 @@ class ClusterConfig:
     drafter_workers: int = 2         # Ray Train workers (one per drafter GPU)
     target_resource: str = "target_slot"  # custom resource each target actor takes when use_gpu is false
     target_gpus: float = 1.0         # GPU share of each target actor (use_gpu; < 1 shares a GPU)
-    # GPUs one target replica spans, its layers split over them (model/target.py load_target_stage): sized by
-    # `plan` (the first stage's memory); the runtime's actor group for it is not built yet (1 only)
+    # GPUs one target replica spans: its layers split over that many actors on one node, each with a target
+    # actor's share, in a pipeline (model/target.py load_target_stage, replica_features; a 70B target on 80 GB GPUs)
     target_gpus_per_replica: int = 1
     drafter_gpus: float = 1.0        # GPU share of each drafter worker (use_gpu; < 1 shares a GPU)
     max_batches_in_flight: int = 4   # plan batches between the target actors and the trainers at most

@@ -69,14 +69,23 @@ def test_two_processes_give_the_unsplit_targets_features(tmp_path):
     assert torch.equal(r0["features"], whole)
 
 
-def test_the_runtime_refuses_a_replica_over_several_gpus_with_one_line(ray_session):
-    """`plan` sizes cluster.target_gpus_per_replica > 1; the runtime has no actor group for it yet: one line."""
-    from omegaconf import OmegaConf
+@pytest.mark.slow
+def test_the_job_with_a_target_over_two_stages_trains_the_weights_of_one(train_run, job_run):
+    """cluster.target_gpus_per_replica=2 on the CPU cluster (each stage a target slot): the main job's target
+    actor runs stage 0 and starts stage 1 beside it; the features are the unsplit target's, so the run ends
+    with the reference run's weights, bit for bit."""
+    from helpers_cluster import RUNTIME_RUN
 
-    from dflash_ray.config import compose_config
-    from dflash_ray.errors import UserError
-    from dflash_ray.runtime.cluster import check_resources
+    from dflash_ray.runtime.training.checkpoint import load_weights
 
-    cluster = OmegaConf.to_object(compose_config(["cluster.target_gpus_per_replica=2"]).cluster)
-    with pytest.raises(UserError, match=r"^config key 'cluster.target_gpus_per_replica': 2 GPUs a target replica"):
-        check_resources(cluster)
+    from dflash_ray.runtime.record.ledger import read_jsonl
+
+    _, s = train_run("two_stages", [*RUNTIME_RUN, "cluster.target_gpus_per_replica=2"])
+    ref = job_run["summary"]
+    replicas = [e for e in read_jsonl(train_run.root / "two_stages" / "events.jsonl") if e["event"] == "target_replica"]
+    # the tiny target's taps end at its last layer: its layers split in two, each stage its own process
+    assert replicas and all(len(set(e["pids"])) == 2 and len(e["layers"]) == 2 for e in replicas)
+    assert replicas[0]["layers"][0][0] == 0 and replicas[0]["layers"][0][1] == replicas[0]["layers"][1][0]
+    assert s["steps"] == ref["steps"] and s["ledger"]["ok"] is True and s["tokens"] == ref["tokens"]
+    a, b = load_weights(Path(s["checkpoint"])), load_weights(Path(ref["checkpoint"]))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

@@ -30,7 +30,8 @@ def ray_cluster(cluster, log=print):
         log(f"connected to Ray at {address}")
         yield
         return
-    resources = {} if cluster.use_gpu else {cluster.target_resource: float(cluster.target_workers)}
+    stages = getattr(cluster, "target_gpus_per_replica", 1)
+    resources = {} if cluster.use_gpu else {cluster.target_resource: float(cluster.target_workers * stages)}
     ray.init(num_cpus=cluster.num_cpus, object_store_memory=cluster.object_store_memory, resources=resources,
              runtime_env=runtime_env, log_to_driver=False)
     log(f"started a local Ray ({cluster.num_cpus} CPUs, resources {resources or 'GPUs'})")
@@ -46,22 +47,21 @@ def check_resources(cluster) -> None:
 
     total = ray.cluster_resources()
     c = cluster
-    if getattr(c, "target_gpus_per_replica", 1) > 1:
-        raise UserError(f"config key 'cluster.target_gpus_per_replica': {getattr(c, 'target_gpus_per_replica')} GPUs a target "
-                        "replica is sized by `dflash-ray plan` but not run yet (the target actor group is not "
-                        "built): keep 1, with a target that fits one GPU's share")
+    k = getattr(c, "target_gpus_per_replica", 1)   # a target replica's stages, each an actor's share
     if c.use_gpu:
-        need = c.target_workers * c.target_gpus + c.drafter_workers * c.drafter_gpus
+        need = c.target_workers * c.target_gpus * k + c.drafter_workers * c.drafter_gpus
         if total.get("GPU", 0) < need - 1e-9:
-            raise UserError(f"cluster has {total.get('GPU', 0):g} GPUs but cluster.target_workers x target_gpus + "
-                            f"cluster.drafter_workers x drafter_gpus = {c.target_workers} x {c.target_gpus:g} + "
-                            f"{c.drafter_workers} x {c.drafter_gpus:g} = {need:g}")
-    elif total.get(c.target_resource, 0) < c.target_workers:
+            replica = f" x {k} (cluster.target_gpus_per_replica)" if k > 1 else ""
+            raise UserError(f"cluster has {total.get('GPU', 0):g} GPUs but cluster.target_workers x target_gpus"
+                            f"{' x target_gpus_per_replica' if k > 1 else ''} + cluster.drafter_workers x drafter_gpus = "
+                            f"{c.target_workers} x {c.target_gpus:g}{replica} + {c.drafter_workers} x {c.drafter_gpus:g} = {need:g}")
+    elif total.get(c.target_resource, 0) < c.target_workers * k:
         raise UserError(f"cluster has {total.get(c.target_resource, 0):g} of resource '{c.target_resource}' "
-                        f"but cluster.target_workers = {c.target_workers} (start Ray with "
-                        f"--resources '{{\"{c.target_resource}\": {c.target_workers}}}')")
+                        f"but cluster.target_workers{' x target_gpus_per_replica' if k > 1 else ''} = "
+                        f"{c.target_workers * k} (start Ray with "
+                        f"--resources '{{\"{c.target_resource}\": {c.target_workers * k}}}')")
     # trainers take 1 CPU each, target actors 1 (GPU) or 0.5 (CPU), a token-join task 0.25
-    need_cpu = c.drafter_workers + c.target_workers * (1 if c.use_gpu else 0.5) + 0.25
+    need_cpu = c.drafter_workers + c.target_workers * k * (1 if c.use_gpu else 0.5) + 0.25
     if total.get("CPU", 0) < need_cpu:
         raise UserError(f"cluster has {total.get('CPU', 0):g} CPUs but cluster.drafter_workers = "
                         f"{c.drafter_workers} and cluster.target_workers = {c.target_workers} need "

@@ -22,8 +22,10 @@ object stores; the driver puts only their index.
 """
 from __future__ import annotations
 
+import json
 import os
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -191,7 +193,8 @@ class TargetForward:
     features for each batch. Ray restarts a killed actor (Ray Data retries its batch on a live one)."""
 
     def __init__(self, target_path: str, layer_ids: list, use_gpu: bool, record: str, namespace: str,
-                 threads: int = 1, gpu_share: float = 1.0, dtype: str = "float32"):
+                 threads: int = 1, gpu_share: float = 1.0, dtype: str = "float32", stages: int = 1,
+                 stage_resources: dict | None = None):
         import ray
         import torch
 
@@ -204,14 +207,21 @@ class TargetForward:
             from dflash_ray.runtime.cluster import cap_gpu_memory
 
             cap_gpu_memory(gpu_share)
-        # only the embedding and layers 0..max(tap): later layers and the LM head are never loaded
-        self.extract = load_feature_extractor(target_path, list(layer_ids), device=self.device,
-                                              dtype=getattr(torch, dtype))
+        self.followers = []
+        if stages > 1:   # a replica over `stages` GPUs: this actor is stage 0, the others are started here
+            self.extract, self.followers = start_replica(target_path, list(layer_ids), use_gpu, gpu_share, dtype,
+                                                         stages, stage_resources or {}, threads)
+        else:   # only the embedding and layers 0..max(tap): later layers and the LM head are never loaded
+            self.extract = load_feature_extractor(target_path, list(layer_ids), device=self.device,
+                                                  dtype=getattr(torch, dtype))
         # an epoch end's filler rows: zeros encoded as the real rows are (one dtype in the stream)
         self.filler_dtype = getattr(torch, dtype)
         self.key = ray.get_runtime_context().get_actor_id()[:12]
         self.record = ray.get_actor(record, namespace=namespace)   # the run record counts what we compute
         ray.get(self.record.target_started.remote(self.key, os.getpid(), ray.get_runtime_context().get_node_id()))
+        if self.followers:   # the replica's stages, where and which layers (events.jsonl)
+            self.record.event.remote("target_replica", actor=self.key, layers=[list(r) for r in self.extract.stages],
+                                     pids=[os.getpid()] + ray.get([f.pid.remote() for f in self.followers]))
 
     def __call__(self, batch: dict) -> dict:
         """A block of plan batches (see rows.stack_rows): each one's features, one report for the block."""
@@ -224,6 +234,8 @@ class TargetForward:
 
                 width = self.extract.hidden_size * len(self.extract.layer_ids)
                 feats, dtype = encode_features(torch.zeros(ids.shape + (width,), dtype=self.filler_dtype))
+            elif self.followers:
+                feats, dtype = self.replica_context(ids, batch["lengths"][i])
             else:
                 feats, dtype = target_context(self.extract, ids, batch["lengths"][i], self.device)
             contexts.append(feats)
@@ -234,6 +246,113 @@ class TargetForward:
         batch["context"] = contexts
         batch["context_dtype"] = np.array(dtypes)
         return batch
+
+
+    def replica_context(self, input_ids: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, str]:
+        """One batch through the replica's stages: each follower starts its part (its calls run in order),
+        this stage runs its own and gathers every tap (model/target.py replica_features). A follower that
+        died leaves a broken process group: this actor exits, and Ray restarts it with new followers."""
+        import ray
+
+        from dflash_ray.model.target import replica_features
+        from dflash_ray.runtime.stream.rows import encode_features
+
+        refs = [f.forward.remote(input_ids, lengths) for f in self.followers]
+        ids, attn = _ids_and_mask(input_ids, lengths, self.device)
+        try:
+            feats = replica_features(self.extract, ids, attn)
+            ray.get(refs)
+        except Exception:   # noqa: BLE001 - any stage's failure breaks the group for good
+            import traceback
+
+            traceback.print_exc()
+            os._exit(1)
+        return encode_features(feats)
+
+
+def _ids_and_mask(input_ids: np.ndarray, lengths: np.ndarray, device):
+    import torch
+
+    ids = torch.from_numpy(input_ids.astype(np.int64)).to(device)
+    attn = (torch.arange(ids.shape[1])[None] < torch.from_numpy(lengths.astype(np.int64))[:, None]).long()
+    return ids, attn.to(device)
+
+
+class TargetStage:
+    """Stage r > 0 of a target replica over several GPUs (cluster.target_gpus_per_replica): its layers only
+    (model/target.py load_target_stage), fed by stage r - 1 and feeding stage r + 1 (send/recv in the
+    replica's process group; NCCL on GPUs, gloo on CPUs). Started by stage 0, the TargetForward actor."""
+
+    def __init__(self, threads: int = 1):
+        import torch
+
+        torch.set_num_threads(max(1, threads))
+
+    def join(self, address: str, rank: int, world: int, use_gpu: bool, gpu_share: float, target_path: str,
+             layer_ids: list, stages: list, dtype: str) -> None:
+        import torch
+        import torch.distributed as dist
+
+        from dflash_ray.model.target import load_target_stage
+
+        self.device = torch.device("cuda" if use_gpu else "cpu")
+        if use_gpu:
+            from dflash_ray.runtime.cluster import cap_gpu_memory
+
+            cap_gpu_memory(gpu_share)
+        dist.init_process_group("nccl" if use_gpu else "gloo", init_method=address, rank=rank, world_size=world)
+        self.stage = load_target_stage(target_path, layer_ids, stages, rank, device=self.device,
+                                       dtype=getattr(torch, dtype))
+
+    def pid(self) -> int:
+        return os.getpid()
+
+    def forward(self, input_ids: np.ndarray, lengths: np.ndarray) -> None:
+        from dflash_ray.model.target import replica_features
+
+        ids, attn = _ids_and_mask(input_ids, lengths, self.device)
+        replica_features(self.stage, ids, attn)
+
+
+def start_replica(target_path: str, layer_ids: list, use_gpu: bool, gpu_share: float, dtype: str, stages: int,
+                  stage_resources: dict, threads: int):
+    """From stage 0 (a TargetForward actor): start stages 1..k-1 on this node, each with the resources of
+    a target actor, join them in one process group, and load every stage's layers (the layers 0..last tap
+    split evenly, the embedding counted on stage 0). Returns (stage 0's extractor, the followers)."""
+    import socket
+
+    import ray
+    import torch
+    import torch.distributed as dist
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from dflash_ray.model.target import load_target_stage
+    from dflash_ray.sizing.memory import Shape, stage_layers
+
+    config = json.loads((Path(target_path) / "config.json").read_text()) if "://" not in target_path else {}
+    last = max(int(i) for i in layer_ids) + 1
+    try:
+        shape = Shape.of(config)
+        share = shape.vocab * shape.hidden / shape.layer_params()
+    except (KeyError, TypeError, ValueError, ZeroDivisionError):
+        share = 0.0
+    ranges = stage_layers(last, stages, embed_share=share)
+    node = ray.get_runtime_context().get_node_id()
+    here = NodeAffinitySchedulingStrategy(node, soft=False)
+    followers = [ray.remote(TargetStage).options(scheduling_strategy=here, **stage_resources).remote(threads)
+                 for _ in range(stages - 1)]
+    host = ray.util.get_node_ip_address()
+    with socket.socket() as sock:
+        sock.bind(("", 0))
+        port = sock.getsockname()[1]
+    address = f"tcp://{host}:{port}"
+    joined = [f.join.remote(address, r + 1, stages, use_gpu, gpu_share, target_path, layer_ids, ranges, dtype)
+              for r, f in enumerate(followers)]
+    dist.init_process_group("nccl" if use_gpu else "gloo", init_method=address, rank=0, world_size=stages)
+    device = torch.device("cuda" if use_gpu else "cpu")
+    extract = load_target_stage(target_path, layer_ids, ranges, 0, device=device, dtype=getattr(torch, dtype))
+    ray.get(joined)
+    return extract, followers
 
 
 class DatasetFactory:
@@ -329,7 +448,8 @@ class DatasetFactory:
             TargetForward, batch_size=None, compute=ActorPoolStrategy(size=target_actors),
             fn_constructor_kwargs=dict(target_path=s.target_path, layer_ids=list(s.drafter.target_layer_ids),
                                        use_gpu=c.use_gpu, record=record_actor_name(s.coordinator), namespace=s.namespace,
-                                       gpu_share=c.target_gpus, dtype=s.compute_dtype),
+                                       gpu_share=c.target_gpus, dtype=s.compute_dtype,
+                                       stages=c.target_gpus_per_replica, stage_resources=res),
             **res, **pin)
 
 
@@ -347,17 +467,19 @@ def target_shares(cluster, groups: list, world_size: int, resources: dict) -> li
     the one group of a single-node (or fallback) stream: target_workers capped by the whole cluster's
     room. None when a group can host none (an actor pool that cannot start would wait forever).
     resources: node id -> that node's total resources (alive nodes)."""
+    k = getattr(cluster, "target_gpus_per_replica", 1)   # a replica's stages: each takes a target actor's share
+
     def room(total: dict, trainers: int) -> int:
         if cluster.use_gpu:
             free = total.get("GPU", 0.0) - trainers * cluster.drafter_gpus
-            return int(free / cluster.target_gpus + 1e-9)
-        return int(total.get(cluster.target_resource, 0.0) + 1e-9)
+            return int(free / (cluster.target_gpus * k) + 1e-9)
+        return int(total.get(cluster.target_resource, 0.0) / k + 1e-9)
 
     shares = []
     for node, ranks in groups:
         if node is None:   # anywhere: what all nodes together can host beside the trainers
             have = sum(room(total, 0) for total in resources.values()) - \
-                (int(world_size * cluster.drafter_gpus / cluster.target_gpus) if cluster.use_gpu else 0)
+                (int(world_size * cluster.drafter_gpus / (cluster.target_gpus * k)) if cluster.use_gpu else 0)
             want = cluster.target_workers
         else:
             have = room(resources.get(node, {}), len(ranks))
