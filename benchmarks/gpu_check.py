@@ -11,6 +11,8 @@
     host_copy    (CUDA) a batch of context features (8K tokens x 5 taps x 4096, bf16) copied host -> device
                  from pageable memory (what the trainer does today) and from pinned memory: GB/s of each,
                  so the next change knows whether pinning pays
+    fsdp         train.parallelism=fsdp on a world of one (NCCL on CUDA): its step's loss is the DDP step's and
+                 the checkpoint's gather gives whole host tensors
     staging      (CUDA) the trainer's prefetch thread copying the next rows to the GPU on a side stream
                  (loop.device_stager, TrainRow.stage) against the copy inside the step: seconds per row of
                  a stand-in step (~0.2 s of bf16 matmuls reading the features) each way, Qwen3-8B-sized rows
@@ -52,7 +54,7 @@ def tiny_drafter(device):
     return build_drafter(cfg, target, embed, embed, seed=0, device=device)  # initialised on the device
 
 
-def check_collective(device) -> dict:
+def check_collective(device, parallelism: str = "ddp") -> dict:
     import numpy as np
     import torch
     import torch.distributed as dist
@@ -68,9 +70,14 @@ def check_collective(device) -> dict:
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     try:
         drafter = tiny_drafter(device)
-        model = torch.nn.parallel.DistributedDataParallel(
-            LossModule(drafter), device_ids=[device.index or 0] if device.type == "cuda" else None,
-            broadcast_buffers=False, gradient_as_bucket_view=True)
+        if parallelism == "fsdp":   # a world of one: the sharding code path, nothing to shard over
+            from dflash_ray.runtime.training.sharding import shard
+
+            model = shard(drafter, LossModule(drafter), device)
+        else:
+            model = torch.nn.parallel.DistributedDataParallel(
+                LossModule(drafter), device_ids=[device.index or 0] if device.type == "cuda" else None,
+                broadcast_buffers=False, gradient_as_bucket_view=True)
         train = argparse.Namespace(lr=1e-3, weight_decay=0.0, warmup_ratio=0.0)
         opt, sched = make_optimizer(train, drafter, 10)
         g = torch.Generator().manual_seed(1)
@@ -94,10 +101,25 @@ def check_collective(device) -> dict:
         t0 = time.perf_counter()
         result = train_step(model, drafter, opt, sched, rows, rank=0, workers=1, batches_per_step=2, seed=0,
                             grad_clip=1.0, device=device, autocast=autocast, all_reduce=dist.all_reduce)
-        return {"ok": bool(np.isfinite(result.loss)) and result.positions == [0, 1], "backend": backend,
-                "loss": result.loss, "train_tau": result.train_tau, "seconds": time.perf_counter() - t0}
+        out = {"ok": bool(np.isfinite(result.loss)) and result.positions == [0, 1], "backend": backend,
+               "parallelism": parallelism, "loss": result.loss, "train_tau": result.train_tau,
+               "seconds": time.perf_counter() - t0}
+        if parallelism == "fsdp":   # the checkpoint's gather: whole tensors on the host, all finite
+            from dflash_ray.runtime.training.checkpoint import gather_state
+
+            snap = gather_state(drafter, opt, sched, 0)
+            out["gathered_tensors"] = len(snap.weights)
+            out["ok"] = out["ok"] and all(bool(torch.isfinite(t).all()) and t.device.type == "cpu"
+                                          for t in snap.weights.values())
+        return out
     finally:
         dist.destroy_process_group()
+
+
+def check_fsdp(device) -> dict:
+    """train.parallelism=fsdp's step and gather on a world of one (NCCL on CUDA): the DDP step's loss."""
+    fsdp, ddp = check_collective(device, "fsdp"), check_collective(device, "ddp")
+    return {**fsdp, "ddp_loss": ddp["loss"], "ok": fsdp["ok"] and abs(fsdp["loss"] - ddp["loss"]) <= 1e-3 * abs(ddp["loss"])}
 
 
 def check_features(device) -> dict:
@@ -257,7 +279,8 @@ def main(argv=None) -> int:
     report = {"device": torch.cuda.get_device_name(0) if device.type == "cuda" else "cpu",
               "torch": torch.__version__}
     checks = (("collective", check_collective), ("features", check_features), ("checkpoint", check_checkpoint),
-              ("recompute", check_recompute), ("host_copy", check_host_copy), ("staging", check_staging))
+              ("recompute", check_recompute), ("host_copy", check_host_copy), ("staging", check_staging),
+              ("fsdp", check_fsdp))
     for name, check in checks:
         try:
             report[name] = check(device)

@@ -24,6 +24,7 @@ def test_runtime_paths_pass_on_the_cpu(tmp_path):
     assert report["checkpoint"]["weights_equal"] and report["checkpoint"]["optimizer_equal"]
     assert report["recompute"]["max_relative_grad_difference"] == 0.0  # fp32 on the CPU: exact
     assert report["host_copy"] == report["staging"] == {"ok": True, "skipped": "no CUDA device"}
+    assert report["fsdp"]["ok"] and report["fsdp"]["loss"] == report["fsdp"]["ddp_loss"]   # exact on the CPU
 
 
 @pytest.mark.slow
