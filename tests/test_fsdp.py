@@ -184,3 +184,20 @@ def test_an_fsdp_checkpoint_restores_whole_on_one_and_three_ranks_and_goes_on_al
     # the next step of 6 batches on three ranks: FSDP and DDP alike
     assert three["losses"] == pytest.approx(three_ddp["losses"], rel=1e-6)
     _close(three["after"], three_ddp["after"], 1e-6)
+
+
+@pytest.mark.slow
+def test_the_job_with_a_sharded_drafter_trains_the_ddp_runs_weights(train_run, job_run):
+    """train.parallelism=fsdp through the runtime (two Ray Train workers on gloo, gathered async checkpoints
+    every 4 steps and at each epoch's end): every planned batch once, the reference (DDP) run's steps, and
+    its final weights up to the order of float sums."""
+    from dflash_ray.runtime.training.checkpoint import load_weights, read_state
+    from helpers_cluster import RUNTIME_RUN
+
+    _, s = train_run("fsdp", [*RUNTIME_RUN, "train.parallelism=fsdp"])
+    ref = job_run["summary"]
+    assert s["steps"] == ref["steps"] and s["tokens"] == ref["tokens"] and s["ledger"]["ok"] is True
+    assert [c["step"] for c in s["checkpoints"]] == [c["step"] for c in ref["checkpoints"]]
+    assert "optimizer_by_name" in torch.load(Path(s["checkpoint"]) / "optim.pt", weights_only=False)
+    assert read_state(Path(s["checkpoint"]))["world_size"] == 2
+    _close(load_weights(Path(s["checkpoint"])), load_weights(Path(ref["checkpoint"])), 1e-5)

@@ -105,6 +105,10 @@ class RecordClient:
         """Held-out tau of these weights, in a task the record starts (training goes on meanwhile)."""
         import ray
 
+        from dflash_ray.runtime.training.sharding import is_sharded
+
+        if is_sharded(drafter):   # whole weights would be a gather on every rank: only the final tau runs (export)
+            return
         weights = ray.put({k: v.detach().cpu() for k, v in drafter.state_dict().items()})
         self.record.evaluate_heldout.remote(self.spec, step, [weights])
 
