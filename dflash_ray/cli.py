@@ -424,10 +424,10 @@ def plan_command(cfg, args) -> int:
         check_shards(require(cfg, "data.shards"), cfg.data.vocab_size)
     plan = plan_from_config(cfg)
     summary = plan.summary()
-    from dflash_ray.runtime.plan_sizing import feature_bytes_per_token, plan_memory, plan_object_store
+    from dflash_ray.runtime.plan_sizing import colocated_fits, feature_bytes_per_token, plan_memory, plan_object_store
 
-    capacity = capacity_report(cfg, summary, feature_bytes_per_token(cfg))
     memory = plan_memory(cfg, plan)
+    capacity = capacity_report(cfg, summary, feature_bytes_per_token(cfg), colocated_fits=colocated_fits(cfg, memory))
     store = plan_object_store(cfg, plan)
     if store:
         memory["object_store"] = store

@@ -212,6 +212,10 @@ def test_capacity_model_balances_the_pipeline():
     assert cap["best_layout"] == "colocated" and cap["block_tokens_per_second"] == pytest.approx(4 * 8 / 0.0006)
     assert any("best split" in line and "3 target + 5 drafter" in line and "12,500 context tokens/s = 50,000 block"
                in line for line in rep["text"])
+    # when the memory model puts a side over half a GPU, colocated is shown but the best layout is the split
+    tight = capacity_report(cfg, {"tokens": 3_600_000, "block_tokens_per_token": 4.0}, colocated_fits=False)
+    assert tight["capacity"]["best_layout"] == "split" and tight["capacity"]["tokens_per_second"] == 12500
+    assert any("DOES NOT FIT" in line for line in tight["text"])
     # at the density of 512 anchors a 16K batch (0.56) the same GPUs lean the other way: the drafter keeps up
     # with 17,857 context tokens/s a GPU, the best split is 6 + 2 (min(30000, 35714))
     thin = capacity_report(cfg, {"tokens": 3_600_000, "block_tokens_per_token": 0.56})["capacity"]

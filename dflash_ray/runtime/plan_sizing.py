@@ -72,3 +72,12 @@ def choose_parallelism(cfg, plan) -> str:
     if cfg.train.parallelism != "auto":
         return cfg.train.parallelism
     return plan_memory(cfg, plan).get("parallelism", "ddp")
+
+
+def colocated_fits(cfg, memory: dict) -> bool | None:
+    """Whether a target actor (or a replica's first stage) and a drafter worker fit half a GPU each, by the
+    memory model's figures for this plan (`plan_memory`); None on CPUs or when the shape is unknown."""
+    if not cfg.cluster.use_gpu or "drafter" not in memory or "target" not in memory:
+        return None
+    half = cfg.cluster.device_memory_gb * 2 ** 30 / 2
+    return memory["drafter"]["total"] <= half and memory["target"]["total"] <= half

@@ -142,7 +142,11 @@ def node_split(nodes: int, gpus_per_node: int, target_workers: int, drafter_work
             "feature_bytes_per_token": fb}
 
 
-def capacity_report(cfg, plan_summary: dict, feature_bytes_per_token: float | None = None) -> dict:
+def capacity_report(cfg, plan_summary: dict, feature_bytes_per_token: float | None = None,
+                    colocated_fits: bool | None = None) -> dict:
+    """The split and colocated layouts' throughput for the cluster, and the best. colocated_fits: whether
+    the memory model says a target actor and a drafter worker fit half a GPU each (False: colocated is shown
+    but never the best; None: unknown, not checked)."""
     c = cfg.cluster
     k = int(c.get("target_gpus_per_replica", 1) or 1)   # GPUs a target replica spans (its layers split over them)
     gpus = c.target_workers * k * (c.target_gpus if c.use_gpu else 1) + c.drafter_workers * (c.drafter_gpus if c.use_gpu else 1)
@@ -166,8 +170,8 @@ def capacity_report(cfg, plan_summary: dict, feature_bytes_per_token: float | No
         configured = None
     tokens = plan_summary.get("tokens") or 0
     split_tps = best["tokens_per_second"] if best else 0.0
-    winner = "colocated" if together["tokens_per_second"] > split_tps else "split"
-    top = max(together["tokens_per_second"], split_tps)
+    winner = "colocated" if together["tokens_per_second"] > split_tps and colocated_fits is not False else "split"
+    top = together["tokens_per_second"] if winner == "colocated" else split_tps
     cap = {"devices": n, "target_tokens_per_gpu": t_rate, "drafter_block_tokens_per_gpu": block_rate,
            "drafter_tokens_per_gpu": d_rate, "block_tokens_per_token": rho, "source": source,
            "configured": configured, "best": best, "colocated": together, "best_layout": winner,
@@ -193,7 +197,8 @@ def capacity_report(cfg, plan_summary: dict, feature_bytes_per_token: float | No
     text += [f"  colocated        {n} x (target + drafter), GPU time {together['target_share']:.0%} target / "
              f"{together['drafter_share']:.0%} drafter: {_both(together['tokens_per_second'], rho)} "
              f"(cluster.target_workers={n} cluster.drafter_workers={n} cluster.target_gpus=0.5 "
-             f"cluster.drafter_gpus=0.5; the two processes' interference on a GPU is not modelled)",
+             f"cluster.drafter_gpus=0.5; the two processes' interference on a GPU is not modelled"
+             f"{'; DOES NOT FIT: the memory model puts a side over half a GPU' if colocated_fits is False else ''})",
              f"  best layout: {winner}, {_both(top, rho)}"]
     if tokens:
         text.append(f"  one epoch ({tokens:,} context tokens): "
