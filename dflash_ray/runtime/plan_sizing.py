@@ -25,14 +25,14 @@ def plan_object_store(cfg, plan) -> dict | None:
     """The object store one node's stream needs for this plan (sizing/object_store.py; the run checks the
     nodes' stores against it at its start), from the largest batch's bytes through the stream; None when
     the target's shape is unknown."""
-    from dflash_ray.sizing.object_store import stream_store_need
+    from dflash_ray.sizing.object_store import rows_for_block, stream_store_need
 
     per_token = feature_bytes_per_token(cfg)
     if not per_token:
         return None
     c = cfg.cluster
     largest = float(plan.padded_tokens().max()) * (per_token + 5)   # features, the id (int32), the mask byte
-    per_block = 1 if not c.stream_block_mb else int(max(1, min(64, c.stream_block_mb * 2**20 // largest)))
+    per_block = rows_for_block(largest, c.stream_block_mb)
     need = stream_store_need(per_block * largest, per_block, c.max_batches_in_flight, c.drafter_workers)
     gib = need["bytes"] / 2**30
     return {**need, "text": f"object store: the stream needs ~{gib:,.2f} GiB a node ({need['blocks']} blocks of up to "

@@ -21,6 +21,20 @@ BLOCKS_PER_BUDGET = 4     # blocks that must fit in one operator's budget (the m
 BLOCKS_PER_RANK = 2       # the block a trainer holds and the one its iterator prefetches
 
 
+MAX_ROWS_PER_BLOCK = 64   # bounds the rows a round of blocks takes from the flight window
+RAY_MAX_BLOCK_BYTES = 128 * 2 ** 20   # Ray Data's target_max_block_size (its default)
+
+
+def rows_for_block(largest_bytes: float, block_mb: float, max_block_bytes: float = RAY_MAX_BLOCK_BYTES) -> int:
+    """Plan batches a stream block holds: as many of the largest batch (`largest_bytes` through the stream)
+    as fit in `block_mb`, kept under half of Ray Data's largest block (above it Ray Data splits an output block
+    and the round-robin would no longer hand each rank whole blocks); 1 when either is 0; at most 64."""
+    if block_mb <= 0 or largest_bytes <= 0:
+        return 1
+    budget = min(float(block_mb) * 2 ** 20, max_block_bytes / 2)
+    return int(max(1, min(MAX_ROWS_PER_BLOCK, budget // largest_bytes)))
+
+
 def stream_store_need(block_bytes: float, rows_per_block: int, in_flight_rows: int, ranks: int) -> dict:
     """Object store bytes one node's stream needs: blocks of `block_bytes` (the largest: `rows_per_block`
     plan batches), `in_flight_rows` plan batches in the flight window, `ranks` trainers on the node."""

@@ -31,6 +31,7 @@ import numpy as np
 
 from dflash_ray.runtime.stream.rows import FEED_COLUMNS, FEED_SCALARS, encode_features, stack_rows, token_row
 from dflash_ray.runtime.stream.token_store import TokenStore
+from dflash_ray.sizing.object_store import MAX_ROWS_PER_BLOCK  # noqa: F401  (the bound; tests read it here)
 
 
 class _Ref:
@@ -99,9 +100,6 @@ def stream_blocks(rows_per_rank: int, rows_per_block: int, n_ranks: int) -> int:
     return n_ranks * -(-rows_per_rank // rows_per_block)
 
 
-MAX_ROWS_PER_BLOCK = 64   # bounds the rows a round of blocks takes from the flight window
-
-
 def largest_batch_bytes(lengths, bytes_per_token: int) -> int:
     """Bytes of the feed's largest plan batch through the stream: padded rows x width tokens at
     `bytes_per_token` (features, ids, mask); 0 when unknown. lengths: the feed's `lengths` list column."""
@@ -121,15 +119,11 @@ def largest_batch_bytes(lengths, bytes_per_token: int) -> int:
 
 
 def rows_per_block(lengths, bytes_per_token: int, block_mb: float) -> int:
-    """Plan batches per stream block: as many of the feed's largest batch (`largest_batch_bytes`) as fit
-    in `block_mb`; 1 when block_mb or bytes_per_token is 0; at most MAX_ROWS_PER_BLOCK. Kept under half of
-    Ray Data's target_max_block_size (128 MiB), above which it splits an output block and the round-robin
-    would no longer hand each rank whole blocks."""
-    largest = largest_batch_bytes(lengths, bytes_per_token)
-    if block_mb <= 0 or largest <= 0:
-        return 1
-    budget = min(float(block_mb) * 2**20, _max_block_bytes() / 2)
-    return int(max(1, min(MAX_ROWS_PER_BLOCK, budget // largest)))
+    """Plan batches per stream block for this feed (sizing/object_store.rows_for_block at its largest batch,
+    `largest_batch_bytes`, against this Ray Data's largest block)."""
+    from dflash_ray.sizing.object_store import rows_for_block
+
+    return rows_for_block(largest_batch_bytes(lengths, bytes_per_token), block_mb, _max_block_bytes())
 
 
 def stream_store_need(run_spec, feed, resources: dict) -> dict:
@@ -181,11 +175,8 @@ def stream_bytes_per_token(run_spec) -> int:
 def target_context(extract, input_ids: np.ndarray, lengths: np.ndarray, device) -> tuple[np.ndarray, str]:
     """The frozen target's tapped-layer features of one right-padded batch, encoded for a row
     (rows.encode_features; its .cpu() waits for the GPU)."""
-    import torch
-
-    ids = torch.from_numpy(input_ids.astype(np.int64)).to(device)
-    attn = (torch.arange(ids.shape[1])[None] < torch.from_numpy(lengths.astype(np.int64))[:, None]).long()
-    return encode_features(extract(ids, attn.to(device)))
+    ids, attn = _ids_and_mask(input_ids, lengths, device)
+    return encode_features(extract(ids, attn))
 
 
 class TargetForward:
