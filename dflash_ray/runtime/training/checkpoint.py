@@ -126,6 +126,19 @@ def _map_tensors(obj, fn, path=()):
     return copy.deepcopy(obj)
 
 
+def _tensor_bytes(*objs) -> int:
+    """Bytes of every tensor in nested dicts/lists/tuples (a snapshot's size; nothing copied)."""
+    total = 0
+    for obj in objs:
+        if isinstance(obj, torch.Tensor):
+            total += obj.numel() * obj.element_size()
+        elif isinstance(obj, dict):
+            total += _tensor_bytes(*obj.values())
+        elif isinstance(obj, (list, tuple)):
+            total += _tensor_bytes(*obj)
+    return total
+
+
 def capture_state(drafter, optimizer, scheduler, host: HostBuffers | None = None) -> StateSnapshot:
     """Rank 0's state now. With `host`: copies in its buffers (after the previous background write is
     done with them), which later steps cannot change; without: the live tensors' host views (a CPU
@@ -142,10 +155,7 @@ def capture_state(drafter, optimizer, scheduler, host: HostBuffers | None = None
                          lambda path, t: take(("o",) + path, t))
     if host is not None and torch.cuda.is_available():
         torch.cuda.synchronize()   # the non-blocking copies into pinned memory have landed
-    sizes: list = []
-    _map_tensors(optim, lambda _path, t: sizes.append(t.numel() * t.element_size()))
-    nbytes = sum(t.numel() * t.element_size() for t in weights.values()) + sum(sizes)
-    return StateSnapshot(weights=weights, optim=optim, rng=rng_state(), nbytes=nbytes)
+    return StateSnapshot(weights=weights, optim=optim, rng=rng_state(), nbytes=_tensor_bytes(weights, optim))
 
 
 def gather_state(drafter, optimizer, scheduler, rank: int) -> StateSnapshot | None:
@@ -162,11 +172,9 @@ def gather_state(drafter, optimizer, scheduler, rank: int) -> StateSnapshot | No
         # the background write must not see the next steps' values
         optim = copy.deepcopy(optim)
     weights = {k: v.contiguous() for k, v in weights.items()}
-    sizes: list = []
-    _map_tensors(optim, lambda _path, t: sizes.append(t.numel() * t.element_size()))
     return StateSnapshot(weights=weights, optim={"optimizer_by_name": optim,
                                                  "scheduler": copy.deepcopy(scheduler.state_dict())},
-                         rng=rng_state(), nbytes=sum(t.numel() * t.element_size() for t in weights.values()) + sum(sizes))
+                         rng=rng_state(), nbytes=_tensor_bytes(weights, optim))
 
 
 def write_checkpoint(out_dir: Path, *, drafter=None, optimizer=None, scheduler=None, cursor: Cursor,
