@@ -509,11 +509,12 @@ def order_stats_command(args) -> int:
 
 # ----------------------------------------------------------------------------- training
 def train_command(cfg, args) -> int:
+    from dflash_ray.runtime.record.phases import process_age_s
     from dflash_ray.train import main_job
 
     quiet = bool(args.json)
     log = (lambda *a, **k: print(*a, file=sys.stderr, **k)) if quiet else print
-    run_spec, summary = main_job(cfg, progress=not quiet, log=log, plan_log=log)
+    run_spec, summary = main_job(cfg, progress=not quiet, log=log, plan_log=log, startup_s=process_age_s())
     if quiet:
         print(json.dumps(summary, indent=2, default=str))
         return 0
@@ -657,6 +658,7 @@ def eval_command(cfg, args) -> int:
 
     prompts = Tracked(prompts, "eval", "prompts", enabled=not args.json)
     stats = evaluate_acceptance(drafter_dir, target_dir, prompts, cfg.eval.max_new_tokens, stop_token_ids=stop)
+    stats.pop("greedy_reference")   # the outputs themselves: for reuse by a caller evaluating more drafters
     print(json.dumps(stats, indent=2) if args.json else format_eval(stats))
     if stats["outputs_match_greedy"]:
         return 0

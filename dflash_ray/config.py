@@ -75,6 +75,10 @@ class SyntheticConfig:
     # instruction prompts (data/instructions.py) for a real target to answer (held-out kinds and topics apart)
     corpus: str = "walks"
     heldout_prompts: int = 16        # prompts of a held-out corpus in <run.dir>/heldout.jsonl (tau)
+    # the world built once per machine and copied into each run (keyed by its config and seed; no tokenizer or
+    # target given): <cache_dir>/<key>/, cache_dir null: $DFLASH_RAY_CACHE/demo-worlds, else ~/.cache/dflash-ray/demo-worlds
+    cache: bool = True
+    cache_dir: Optional[str] = None
 
 
 @dataclass
@@ -109,6 +113,15 @@ class DataConfig:
 
 
 @dataclass
+class CpuThreadsConfig:              # torch's threads per process kind on CPUs (dflash_ray/threads.py: measured)
+    driver: Optional[int] = None     # the job's own compute (the demo target's training); null: the cores others leave free
+    regenerate: int = 1              # a regeneration actor (generate: small matmuls, one token a step per row)
+    target: int = 1                  # a target actor during training (beside the trainers)
+    trainer: int = 1                 # a Ray Train drafter worker (beside the target actors)
+    evaluate: int = 1                # held-out tau tasks (speculative decoding: a token or a block a forward)
+
+
+@dataclass
 class ClusterConfig:
     name: str = "local"              # the option's name (recorded with the run)
     address: Optional[str] = None    # Ray address: auto (a running cluster) | null ($RAY_ADDRESS, else a local Ray)
@@ -133,6 +146,7 @@ class ClusterConfig:
     # the seed run): the target's context tokens/s per device, the drafter's trained block tokens/s per device
     target_tokens_per_gpu: Optional[float] = None
     drafter_block_tokens_per_gpu: Optional[float] = None
+    cpu_threads: CpuThreadsConfig = field(default_factory=CpuThreadsConfig)
 
 
 @dataclass

@@ -22,8 +22,9 @@ from __future__ import annotations
 import sys
 
 
-def main_job(cfg, *, progress: bool = True, log=print, plan_log=print):
-    """The whole main job. Returns (run_spec, summary)."""
+def main_job(cfg, *, progress: bool = True, log=print, plan_log=print, startup_s: float | None = None):
+    """The whole main job. Returns (run_spec, summary). `startup_s`: the process's seconds before this call
+    (the command's imports and config), its first phase."""
     import contextlib
 
     from omegaconf import OmegaConf
@@ -49,7 +50,12 @@ def main_job(cfg, *, progress: bool = True, log=print, plan_log=print):
     if required:  # before Ray starts: a run that cannot resolve should not cost a cluster start
         raise UserError(f"config key '{required[0]}' must be set (e.g. {required[0]}=...)")
     trackers.check_installed(trackers.chosen(cfg.train))   # before Ray starts: one line naming the extra
+    from dflash_ray.threads import use_threads
+
+    use_threads(cfg.cluster.cpu_threads, "driver")   # the driver's own compute: the demo target's training
     clock = PhaseClock()   # where the job's time goes: printed at the end, summary.json's "phases"
+    if startup_s is not None:
+        clock.add("start-up", startup_s)
     with clock("model paths"):   # hub ids, package: names, GGUF files (converted once) -> local directories
         resolve_model_paths(cfg, log=log)
     with contextlib.ExitStack() as cluster:
@@ -81,6 +87,8 @@ def main_job(cfg, *, progress: bool = True, log=print, plan_log=print):
         with clock("held-out tau"):
             summary["heldout_tau"] = (final_tau(run_spec, summary["export"], log=log)
                                       if run_spec.heldout and summary["export"] else None)
+        with clock("ray stop"):
+            cluster.close()   # a local Ray shuts down here (a cluster's stays up)
     summary["phases"] = clock.rows
     log("where the time went:\n" + clock.table())
     if summary["export"]:   # the export's model card: the target, data, steps and the held-out tau just measured

@@ -24,6 +24,13 @@ os.environ.setdefault("RAY_TRAIN_ENABLE_STATE_TRACKING", "1")
 # tests poll every 0.5 s (the runs they start inherit it); real runs keep Ray's default (hours a fit).
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
 
+# The machine cache (demo worlds, converted GGUF files: dflash_ray/machine_cache.py) of this session only:
+# tests share what they build with each other, never with the user's ~/.cache or an earlier session.
+if "DFLASH_RAY_CACHE" not in os.environ:
+    import tempfile
+
+    os.environ["DFLASH_RAY_CACHE"] = tempfile.mkdtemp(prefix="dflash-ray-test-cache-")
+
 RAY_NUM_CPUS = 4          # oversubscribed on purpose: Ray Data starves on 2 logical CPUs
 RAY_TARGET_SLOTS = 2      # the custom resource target actors take instead of GPUs
 

@@ -25,3 +25,23 @@ def test_phases_nest_time_and_add_up():
     assert table[-1].split() == ["total", f"{total:.1f}"]
     share = float(table[3].split()[2].rstrip("%"))
     assert abs(share - 100 * training["seconds"] / total) < 0.1
+
+
+def test_a_phase_timed_elsewhere_counts_in_the_total():
+    clock = PhaseClock()
+    clock.add("start-up", 2.5)
+    with clock("training"):
+        pass
+    assert clock.rows[0] == {"phase": "start-up", "seconds": 2.5}
+    assert float(clock.table().splitlines()[-1].split()[1]) >= 2.5
+
+
+def test_the_process_age_is_its_time_since_it_started():
+    import subprocess
+    import sys
+
+    code = ("import time; time.sleep(1.0); from dflash_ray.runtime.record.phases import process_age_s; "
+            "print(process_age_s())")
+    t0 = time.monotonic()
+    age = float(subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout)
+    assert 1.0 <= age <= time.monotonic() - t0 + 0.05

@@ -145,12 +145,18 @@ def summarize(per_prompt: list[list[int]], block_size: int) -> dict:
 
 def evaluate_acceptance(drafter_dir: str, target_dir: str, prompts: list[list[int]], max_new_tokens: int,
                         stop_token_ids=None, device: str | torch.device | None = None,
-                        dtype: torch.dtype | None = None, block_size: int | None = None) -> dict:
+                        dtype: torch.dtype | None = None, block_size: int | None = None,
+                        greedy: dict | None = None) -> dict:
     """Greedy speculative decoding of every prompt; returns tau, the acceptance histogram, the target
     time saved against plain greedy decoding, whether outputs match greedy, and per-prompt lengths.
 
     'Target time saved' compares the target's forward time only (drafter time excluded): greedy needs
-    one target forward per token, speculative decoding one per cycle."""
+    one target forward per token, speculative decoding one per cycle.
+
+    `greedy`: the "greedy_reference" of an earlier call with the same target, prompts, limits, device and
+    dtype (plain greedy decoding's outputs, forward seconds and calls): the target does not change between
+    drafters, so its greedy decoding is not repeated (an evaluation during training, the fresh drafter's
+    tau beside the trained one's)."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     target = load_target(target_dir, device=device, dtype=dtype)
     head = target.get_output_embeddings().weight
@@ -164,13 +170,19 @@ def evaluate_acceptance(drafter_dir: str, target_dir: str, prompts: list[list[in
     bs = drafter.block_size if block_size is None else block_size
 
     spec_timer, greedy_timer = _Timer(device), _Timer(device)
-    per_prompt, matches, new_tokens = [], [], 0
-    for prompt in prompts:
+    if greedy is not None:
+        if len(greedy["outputs"]) != len(prompts):
+            raise ValueError(f"greedy reference of {len(greedy['outputs'])} prompts for {len(prompts)} prompts")
+        greedy_timer.seconds, greedy_timer.calls = greedy["seconds"], greedy["calls"]
+    per_prompt, matches, new_tokens, greedy_outputs = [], [], 0, []
+    for k, prompt in enumerate(prompts):
         ids = torch.tensor([list(prompt)], dtype=torch.long, device=device)
         spec, lengths = speculative_generate(drafter, target, ids, max_new_tokens, stop_token_ids, bs, spec_timer)
-        greedy = greedy_generate(target, ids, max_new_tokens, stop_token_ids, greedy_timer)
+        plain = (torch.tensor([greedy["outputs"][k]], dtype=torch.long, device=device) if greedy is not None
+                 else greedy_generate(target, ids, max_new_tokens, stop_token_ids, greedy_timer))
+        greedy_outputs.append(plain[0].tolist())
         per_prompt.append(lengths)
-        matches.append(torch.equal(spec, greedy))
+        matches.append(torch.equal(spec, plain))
         new_tokens += spec.shape[1] - ids.shape[1]
 
     stats = summarize(per_prompt, bs)
@@ -184,6 +196,7 @@ def evaluate_acceptance(drafter_dir: str, target_dir: str, prompts: list[list[in
         target_seconds_saved=greedy_timer.seconds - spec_timer.seconds,
         target_tokens_per_s_greedy=new_tokens / greedy_timer.seconds if greedy_timer.seconds else float("nan"),
         target_tokens_per_s_speculative=new_tokens / spec_timer.seconds if spec_timer.seconds else float("nan"),
+        greedy_reference={"outputs": greedy_outputs, "seconds": greedy_timer.seconds, "calls": greedy_timer.calls},
     )
     stats["target_time_speedup"] = (greedy_timer.seconds / spec_timer.seconds) if spec_timer.seconds else float("nan")
     return stats

@@ -33,11 +33,12 @@ TRAINED_MARKER = "dflash_demo_training.json"
 
 
 def train_causal_lm(model_dir: str, sequences: list[list[int]], *, steps: int, lr: float = 3e-3,
-                    tokens_per_batch: int = 4096, pad_id: int = 0, seed: int = 0, log=print) -> dict:
+                    tokens_per_batch: int = 4096, pad_id: int = 0, seed: int = 0, log=print, on_step=None) -> dict:
     """Train the causal LM in `model_dir` (in place, on the CPU or wherever it loads) on token sequences:
     next-token cross-entropy on every real token, AdamW, linear warmup over 30 steps, batches of similar
     lengths under a padded-token budget. Writes a marker with the figures; a directory that has one is
-    returned as is (trained once, reused by every later run)."""
+    returned as is (trained once, reused by every later run). `on_step(steps done)`: called after each step
+    (the caller's progress)."""
     from transformers import AutoModelForCausalLM
 
     marker = Path(model_dir) / TRAINED_MARKER
@@ -73,6 +74,8 @@ def train_causal_lm(model_dir: str, sequences: list[list[int]], *, steps: int, l
             opt.step()
             opt.zero_grad(set_to_none=True)
             losses.append(float(loss.detach()))
+            if on_step is not None:
+                on_step(step + 1)
     model.eval()
     model.save_pretrained(model_dir, safe_serialization=True)
     figures = {"steps": steps, "seconds": round(time.time() - t0, 1), "first_loss": losses[0],

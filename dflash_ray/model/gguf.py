@@ -15,7 +15,6 @@ passes the converted directory on.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -23,20 +22,9 @@ import uuid
 from pathlib import Path
 
 from dflash_ray.errors import UserError
+from dflash_ray.machine_cache import cache_root, file_digest
 
 SOURCE_RECORD = "gguf-source.json"
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("DFLASH_RAY_CACHE") or Path.home() / ".cache" / "dflash-ray")
-
-
-def file_digest(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 22), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def converted_dir(src: str | os.PathLike, *, cache: str | os.PathLike | None = None, log=print) -> Path:

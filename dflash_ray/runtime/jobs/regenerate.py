@@ -34,6 +34,7 @@ from collections import Counter
 from pathlib import Path
 
 from dflash_ray.errors import UserError
+from dflash_ray.threads import threads_for
 
 
 class RegenerateActor:
@@ -200,8 +201,7 @@ def regenerate(input_path: str, output_path: str, *, target_dir: str, tokenizer_
                                            max_new_tokens=max_new_tokens, batch_size=batch_size, use_gpu=cluster.use_gpu,
                                            on_max_tokens=on_max_tokens, template_kwargs=template_kwargs,
                                            gpu_share=cluster.target_gpus if cluster.use_gpu else 1.0, dtype=dtype,
-                                           # CPUs: regeneration is the machine's only job, its cores shared out
-                                           threads=max(1, (os.cpu_count() or 1) // actors)),
+                                           threads=threads_for(cluster.cpu_threads, "regenerate")),
                 **res)
             t0, finished = time.monotonic(), 0
             with open(out, "a", encoding="utf-8") as f:

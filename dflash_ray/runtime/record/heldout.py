@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import tempfile
 
+from dflash_ray.threads import use_threads
+
 
 def heldout_prompts(run_spec) -> tuple[list, list | None]:
     """The run's held-out prompts as token ids, and the token ids decoding stops at (read where the
@@ -18,32 +20,39 @@ def heldout_prompts(run_spec) -> tuple[list, list | None]:
     return prompts, declared_end_token_ids(tok, run_spec.target_path)
 
 
-def heldout_tau(run_spec, drafter_dir: str, prompts: tuple | None = None) -> dict:
+def heldout_tau(run_spec, drafter_dir: str, prompts: tuple | None = None, greedy: dict | None = None,
+                progress: str | None = None) -> dict:
     """tau of the drafter in `drafter_dir` on the run's held-out prompts (`prompts`: heldout_prompts's
-    answer when already read)."""
+    answer when already read), and "greedy_reference", the target's plain greedy decoding of them, which a
+    later call passes as `greedy` instead of decoding it again (model/evaluate.py evaluate_acceptance).
+    `progress`: a name for a progress line over the prompts (None: silent, as beside training's lines)."""
+    from dflash_ray.data.report import Tracked
     from dflash_ray.model.evaluate import evaluate_acceptance
 
     ids, stop = prompts or heldout_prompts(run_spec)
+    if progress:
+        ids = Tracked(ids, progress, "prompts")
     s = evaluate_acceptance(drafter_dir, run_spec.target_path, ids, run_spec.heldout_max_new_tokens,
-                            stop_token_ids=stop)
+                            stop_token_ids=stop, greedy=greedy)
     return {"tau": s["tau"], "prompts": s["num_prompts"], "new_tokens": s["new_tokens"],
             "outputs_match_greedy": s["outputs_match_greedy"], "target_time_speedup": s["target_time_speedup"],
-            "acceptance_histogram": s["acceptance_histogram"]}
+            "acceptance_histogram": s["acceptance_histogram"], "greedy_reference": s["greedy_reference"]}
 
 
-def heldout_tau_of_weights(run_spec, weights: dict, out_dir: str) -> dict:
-    """Export the drafter with these weights to out_dir and measure its held-out tau (a Ray task)."""
+def heldout_tau_of_weights(run_spec, weights: dict, out_dir: str, greedy: dict | None = None) -> dict:
+    """Export the drafter with these weights to out_dir and measure its held-out tau (a Ray task); `greedy`:
+    an earlier evaluation's greedy_reference (returned here too)."""
     import torch
 
     from dflash_ray.model.export import export_drafter
     from dflash_ray.runtime.training.model import build_run_drafter
 
-    torch.set_num_threads(1)
+    use_threads(run_spec.cluster.cpu_threads, "evaluate")
     drafter = build_run_drafter(run_spec, torch.device("cpu"))
     drafter.load_state_dict(weights, strict=True)
     export_drafter(drafter, out_dir)
-    r = heldout_tau(run_spec, out_dir)
-    return {k: r[k] for k in ("tau", "prompts", "outputs_match_greedy")}
+    r = heldout_tau(run_spec, out_dir, greedy=greedy)
+    return {k: r[k] for k in ("tau", "prompts", "outputs_match_greedy", "greedy_reference")}
 
 
 def initial_and_trained_tau(run_spec, export_files: dict, prompts: tuple) -> dict:
@@ -51,23 +60,25 @@ def initial_and_trained_tau(run_spec, export_files: dict, prompts: tuple) -> dic
     step 0, on a GPU run another draw of the same initialisation, as the ranks initialise on the device) and
     of the run's export (`export_files`: its files by name, measured exactly as exported). A Ray task on a
     target GPU (final_tau), where the device is the task's own."""
-    import os
-
     import torch
 
     from dflash_ray.model.export import export_drafter
     from dflash_ray.runtime.training.model import build_run_drafter
 
-    if not run_spec.cluster.use_gpu:   # after training the machine's cores are this task's (Ray gives it one)
-        torch.set_num_threads(max(1, os.cpu_count() or 1))
+    if not run_spec.cluster.use_gpu:
+        use_threads(run_spec.cluster.cpu_threads, "evaluate")
     with tempfile.TemporaryDirectory(prefix="dflash-initial-") as initial, \
             tempfile.TemporaryDirectory(prefix="dflash-export-") as trained:
         export_drafter(build_run_drafter(run_spec, torch.device("cpu")), initial)
         for name, data in export_files.items():
             with open(f"{trained}/{name}", "wb") as f:
                 f.write(data)
-        return {"initial": heldout_tau(run_spec, initial, prompts), "trained": heldout_tau(run_spec, trained, prompts),
-                "prompts_file": run_spec.heldout}
+        # the target's greedy decoding once, for both drafters (it does not depend on the drafter)
+        measured = heldout_tau(run_spec, trained, prompts, progress="held-out tau, trained drafter")
+        greedy = measured.pop("greedy_reference")
+        fresh = heldout_tau(run_spec, initial, prompts, greedy=greedy, progress="held-out tau, fresh drafter")
+        fresh.pop("greedy_reference")
+        return {"initial": fresh, "trained": measured, "prompts_file": run_spec.heldout}
 
 
 # how long the final tau waits for the target actors' resources to be free after training (then it runs here)

@@ -64,6 +64,7 @@ class RunRecord:
         self.stopped: dict | None = None      # why the workers stopped early (non-finite steps), for the driver
         self.evals: list[dict] = read_jsonl(self.files.evals)   # a resumed run's earlier ones count for best/
         self.evals_running = 0
+        self.greedy_reference: dict | None = None   # the target's greedy decoding of the held-out prompts
         if self.evals:  # a resumed run shows its latest held-out tau from the start
             self.gauges.heldout_tau(float(self.evals[-1]["tau"]))
         # experiment trackers: each step is logged once, when its first metrics line is written (trackers.py)
@@ -179,8 +180,9 @@ class RunRecord:
         task = ray.remote(heldout_tau_of_weights).options(
             num_cpus=0.5, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
         self.evals_running += 1
-        try:
-            result = await task.remote(run_spec, weights[0], str(out))
+        try:   # the target's greedy decoding of the prompts: decoded by the first evaluation, reused after
+            result = await task.remote(run_spec, weights[0], str(out), self.greedy_reference)
+            self.greedy_reference = result.pop("greedy_reference")
         except Exception as e:  # an evaluation never stops the run: it is reported
             self.event("heldout_eval_failed", step=int(step), error=str(e)[:500])
             return

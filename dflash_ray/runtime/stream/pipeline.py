@@ -32,6 +32,7 @@ import numpy as np
 from dflash_ray.runtime.stream.rows import FEED_COLUMNS, FEED_SCALARS, encode_features, stack_rows, token_row
 from dflash_ray.runtime.stream.token_store import TokenStore
 from dflash_ray.sizing.object_store import MAX_ROWS_PER_BLOCK  # noqa: F401  (the bound; tests read it here)
+from dflash_ray.threads import threads_for
 
 
 class _Ref:
@@ -439,7 +440,7 @@ class DatasetFactory:
             TargetForward, batch_size=None, compute=ActorPoolStrategy(size=target_actors),
             fn_constructor_kwargs=dict(target_path=s.target_path, layer_ids=list(s.drafter.target_layer_ids),
                                        use_gpu=c.use_gpu, record=record_actor_name(s.coordinator), namespace=s.namespace,
-                                       gpu_share=c.target_gpus, dtype=s.compute_dtype,
+                                       gpu_share=c.target_gpus, dtype=s.compute_dtype, threads=threads_for(c.cpu_threads, "target"),
                                        stages=c.target_gpus_per_replica, stage_resources=res),
             **res, **pin)
 

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 
 from dflash_ray.errors import UserError
+from dflash_ray.threads import threads_for
 
 
 @dataclass
@@ -73,8 +74,9 @@ def fit(run_spec, plans, num_buckets: int, *, progress: bool = True) -> FitOutco
     def trainer_for(spec):
         return TorchTrainer(
             train_loop_per_worker,
-            # one torch thread per worker: measured best on CPUs; test_faults: {} outside tests/reliability
-            train_loop_config={"spec": spec, "threads": 1, "test_faults": faults_for_tests()},
+            # threads: cluster.cpu_threads.trainer on CPUs (dflash_ray/threads.py); test_faults: {} outside tests/reliability
+            train_loop_config={"spec": spec, "threads": threads_for(c.cpu_threads, "trainer"),
+                               "test_faults": faults_for_tests()},
             torch_config=TorchConfig(backend="nccl" if c.use_gpu else "gloo"),
             # SPREAD: trainer workers over the nodes, so each node's target actors have trainers to feed
             scaling_config=ScalingConfig(num_workers=c.drafter_workers, use_gpu=c.use_gpu, placement_strategy="SPREAD",
