@@ -19,6 +19,8 @@ from helpers_cluster import RUNTIME_RUN, TrainRun, submit_job_to_fresh_cluster
 # on and write ~/.ray/auth_token, and later `ray start` / `ray job submit` calls would need the token).
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("RAY_TRAIN_ENABLE_STATE_TRACKING", "1")
+# the session's Ray workers at the pytest process's priority, as the job's local Ray (runtime/cluster.py)
+os.environ.setdefault("RAY_worker_niceness", "0")
 # Ray Train's controller polls its workers every 2 s by default and takes one poll to see a fit's last
 # report and another to see it finished: ~4 s of every fit's tail (measured), ~30 fits in the suite. The
 # tests poll every 0.5 s (the runs they start inherit it); real runs keep Ray's default (hours a fit).

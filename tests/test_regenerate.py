@@ -221,11 +221,12 @@ def test_a_resume_repairs_a_torn_last_line_and_keys_on_ids_after_rows_were_inser
     assert _run(src, out, world)["skipped: already in the output"] == 3
 
 
-def test_regeneration_uses_every_gpu_of_the_cluster():
+def test_regeneration_uses_every_gpu_of_the_cluster(monkeypatch):
     """On GPUs one actor per target_gpus share of every GPU (Ray's count, else the configured split's);
-    on CPUs cluster.target_workers."""
+    on CPUs one per cluster.cpu_threads.regenerate threads of the machine's cores."""
     from types import SimpleNamespace
 
+    from dflash_ray.runtime.jobs import regenerate
     from dflash_ray.runtime.jobs.regenerate import actor_pool_size
 
     def cluster(**kw):
@@ -237,7 +238,10 @@ def test_regeneration_uses_every_gpu_of_the_cluster():
     assert actor_pool_size(cluster(target_workers=12, drafter_workers=4), cluster_gpus=16.0) == 16  # multinode
     assert actor_pool_size(cluster(target_workers=1, drafter_workers=1, target_gpus=0.5, drafter_gpus=0.5),
                            cluster_gpus=1.0) == 2                            # cluster=1gpu: two halves of one
-    assert actor_pool_size(cluster(use_gpu=False, target_workers=3)) == 3
+    monkeypatch.setattr(regenerate, "usable_cores", lambda: 4)
+    assert actor_pool_size(cluster(use_gpu=False, target_workers=3)) == 4              # a thread each
+    assert actor_pool_size(cluster(use_gpu=False, cpu_threads={"regenerate": 2})) == 2
+    assert actor_pool_size(cluster(use_gpu=False, cpu_threads={"regenerate": 8})) == 1
 
 
 @pytest.mark.slow   # a Ray Data regeneration job

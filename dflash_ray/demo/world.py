@@ -118,9 +118,11 @@ WORLD_FILES = (layout_names.CORPUS, layout_names.TOKENIZER, layout_names.TARGET,
 
 
 def _config_at(cfg, where: Path):
-    """A copy of `cfg` whose run directory is `where` (a cache entry being built)."""
+    """A copy of `cfg` whose run directory is `where` (a cache entry being built), its shard directory there
+    too (none yet: a world in the cache is always regenerated, whatever shards the run has)."""
     c = copy.deepcopy(cfg)
     c.run.dir = str(where)
+    c.data.output = c.data.shards = str(Path(where) / "shards")
     return c
 
 

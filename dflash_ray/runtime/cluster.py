@@ -8,6 +8,7 @@ import os
 from dflash_ray.errors import UserError
 
 STATE_TRACKING = {"RAY_TRAIN_ENABLE_STATE_TRACKING": "1"}   # the dashboard's Train view
+WORKER_NICENESS = "RAY_worker_niceness"   # Ray's config for its workers' niceness (default 15), read from the environment
 
 
 @contextlib.contextmanager
@@ -32,6 +33,11 @@ def ray_cluster(cluster, log=print):
         return
     stages = getattr(cluster, "target_gpus_per_replica", 1)
     resources = {} if cluster.use_gpu else {cluster.target_resource: float(cluster.target_workers * stages)}
+    # Ray runs its workers at niceness 15 so that its own daemons come first; on a machine shared with other
+    # work that hands the run's CPU to any nice-0 process: beside one busy loop the drafter's training ran
+    # 4.4x slower (1,060 vs 4,700 tokens/s, benchmarks/bench_first_run.py). A local Ray is the run's own:
+    # its workers get the driver's priority (a value set by the user wins).
+    os.environ.setdefault(WORKER_NICENESS, "0")
     ray.init(num_cpus=cluster.num_cpus, object_store_memory=cluster.object_store_memory, resources=resources,
              runtime_env=runtime_env, log_to_driver=False)
     log(f"started a local Ray ({cluster.num_cpus} CPUs, resources {resources or 'GPUs'})")

@@ -34,7 +34,7 @@ from collections import Counter
 from pathlib import Path
 
 from dflash_ray.errors import UserError
-from dflash_ray.threads import threads_for
+from dflash_ray.threads import threads_for, usable_cores
 
 
 class RegenerateActor:
@@ -154,10 +154,12 @@ def _row_id(line: bytes) -> str | None:
 def actor_pool_size(cluster, cluster_gpus: float | None = None) -> int:
     """Target actors of the regeneration. On GPUs: every GPU of the cluster generates, one actor per
     cluster.target_gpus share (`cluster_gpus`: Ray's count of the cluster's GPUs; None or 0: the configured
-    split's, target_workers x target_gpus + drafter_workers x drafter_gpus). On CPUs: cluster.target_workers
-    (each takes one of the custom resource the local Ray has target_workers of)."""
+    split's, target_workers x target_gpus + drafter_workers x drafter_gpus). On CPUs: every core of this
+    machine, one actor per cluster.cpu_threads.regenerate threads (regeneration runs alone: the demo's two
+    cores regenerate twice as fast as the one target slot did; each conversation's answer does not depend
+    on what shares its batch, so the output is the same)."""
     if not cluster.use_gpu:
-        return int(cluster.target_workers)
+        return max(1, usable_cores() // threads_for(getattr(cluster, "cpu_threads", None), "regenerate"))
     gpus = cluster_gpus or (cluster.target_workers * cluster.target_gpus + cluster.drafter_workers * cluster.drafter_gpus)
     return max(1, int(gpus / cluster.target_gpus + 1e-9))
 
@@ -182,8 +184,7 @@ def regenerate(input_path: str, output_path: str, *, target_dir: str, tokenizer_
     if gone:
         counts["in the output but no longer in the input"] = gone
     if todo:
-        res = (dict(num_gpus=cluster.target_gpus) if cluster.use_gpu
-               else dict(num_cpus=0.5, resources={cluster.target_resource: 1}))
+        res = dict(num_gpus=cluster.target_gpus) if cluster.use_gpu else dict(num_cpus=1)
         per_block = max(1, batch_size)
         blocks = max(1, -(-len(todo) // per_block))
         gpus = ray.cluster_resources().get("GPU") if cluster.use_gpu else None
