@@ -249,6 +249,9 @@ def _parser(cmd: str) -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from dflash_ray.threads import sleeping_waits
+
+    sleeping_waits()   # before any command imports torch (dflash_ray/threads.py: measured)
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv:
         print(_top_help(), file=sys.stderr)

@@ -114,7 +114,7 @@ class DataConfig:
 
 @dataclass
 class CpuThreadsConfig:              # torch's threads per process kind on CPUs (dflash_ray/threads.py: measured)
-    driver: Optional[int] = None     # the job's own compute (the demo target's training); null: the cores others leave free
+    driver: Optional[int] = None     # the job's own compute (the demo target's training); null: every core
     regenerate: int = 1              # a regeneration actor (generate: small matmuls, one token a step per row)
     target: int = 1                  # a target actor during training (beside the trainers)
     trainer: int = 1                 # a Ray Train drafter worker (beside the target actors)

@@ -1,14 +1,11 @@
-"""Thread counts per process kind (dflash_ray/threads.py): the configured counts reach torch, and the driver's
-count follows the cores other processes leave free (its own threads never count against it)."""
+"""Thread counts per process kind and how idle threads wait (dflash_ray/threads.py), and the priority of a
+local Ray's workers (runtime/cluster.py)."""
 from __future__ import annotations
 
 import subprocess
 import sys
-import time
 
 import pytest
-import torch
-
 from dflash_ray import threads
 from dflash_ray.config import compose_config
 
@@ -23,46 +20,26 @@ def test_each_kind_reads_its_key_and_null_means_every_core():
         threads.threads_for(cfg, "gpu")
 
 
-def ticks(monkeypatch, machine, own):
-    """Feed FreeCoreThreads (busy, total) machine ticks and its own ticks, one reading per call."""
-    machine, own = iter(machine), iter(own)
-    monkeypatch.setattr(threads, "_machine_ticks", lambda: next(machine))
-    monkeypatch.setattr(threads, "_own_ticks", lambda: next(own))
-    monkeypatch.setattr(threads, "usable_cores", lambda: 2)
+def waits_in_a_command(env_policy):
+    """OMP_WAIT_POLICY as a command's torch would read it: set by the CLI's main before any import of torch."""
+    import os
+
+    code = ("import os, sys\n"
+            "from dflash_ray.cli import main\n"
+            "assert 'torch' not in sys.modules, 'the CLI imported torch before choosing how its threads wait'\n"
+            "main(['--version'])\n"
+            "print(os.environ.get('OMP_WAIT_POLICY'))\n")
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if env_policy:
+        env["OMP_WAIT_POLICY"] = env_policy
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    return out.stdout.strip().splitlines()[-1]
 
 
-def test_free_cores_are_the_machine_less_other_processes(monkeypatch):
-    before = torch.get_num_threads()
-    try:
-        # window of 200 ticks on 2 cores: busy 110, 100 of them this process's -> others 0.1 core -> 2 threads
-        ticks(monkeypatch, [(0, 0), (110, 200)], [0, 100])
-        t = threads.FreeCoreThreads(cap=2, first_sample_s=0)
-        assert t.counts == [2] and torch.get_num_threads() == 2
-        # busy 190, 90 of them this process's -> others 1.0 core -> 1 thread
-        ticks(monkeypatch, [(0, 0), (190, 200)], [0, 90])
-        t = threads.FreeCoreThreads(cap=2, first_sample_s=0)
-        assert t.counts == [1] and torch.get_num_threads() == 1
-        # the cap wins over free cores; the next look happens only after every_s
-        ticks(monkeypatch, [(0, 0), (0, 200), (200, 400)], [0, 0, 0])
-        t = threads.FreeCoreThreads(cap=1, every_s=3600, first_sample_s=0)
-        t()
-        assert t.counts == [1]
-    finally:
-        torch.set_num_threads(before)
-
-
-def test_beside_processes_that_take_every_core_the_driver_takes_one_thread():
-    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(threads.usable_cores())]
-    before = torch.get_num_threads()
-    try:
-        time.sleep(0.5)
-        t = threads.FreeCoreThreads(cap=threads.usable_cores(), first_sample_s=1.0)
-        assert t.counts == [1] and torch.get_num_threads() == 1
-    finally:
-        torch.set_num_threads(before)
-        for p in busy:
-            p.kill()
-            p.wait()
+def test_a_command_makes_idle_threads_sleep_unless_the_user_chose():
+    assert waits_in_a_command(None) == "PASSIVE"
+    assert waits_in_a_command("ACTIVE") == "ACTIVE"
 
 
 def test_a_local_ray_runs_its_workers_at_the_drivers_priority(tmp_path):

@@ -310,23 +310,11 @@ def _train_demo_target(cfg, tok, target_path, log) -> None:
         sequences = [tok.apply_chat_template(json.loads(line)["conversations"], tokenize=True, return_dict=False)
                      for line in f if line.strip()]
     from dflash_ray.data.report import ProgressCount
-    from dflash_ray.threads import FreeCoreThreads, threads_for
 
     steps = cfg.data.synthetic.target_steps
-    fixed = cfg.cluster.cpu_threads.driver is not None
-    threads = None if fixed else FreeCoreThreads(threads_for(cfg.cluster.cpu_threads, "driver"))
-
-    def on_step(done: int) -> None:
-        progress.set(done)
-        if threads is not None:
-            threads()
-
     with ProgressCount(steps, "training the demo target", "steps") as progress:
         train_causal_lm(str(target_path), sequences, steps=steps, pad_id=tok.pad_token_id or 0, seed=cfg.seed,
-                        log=log, on_step=on_step)
-    if threads is not None:
-        log(f"the demo target trained on {' -> '.join(map(str, threads.counts))} thread(s) "
-            "(as many as the cores other processes left free)")
+                        log=log, on_step=progress.set)
 
 
 def _regenerate_demo(cfg, layout: RunLayout, target_path, log) -> tuple[str, int | None]:
