@@ -9,6 +9,7 @@ from dflash_ray.errors import UserError
 
 STATE_TRACKING = {"RAY_TRAIN_ENABLE_STATE_TRACKING": "1"}   # the dashboard's Train view
 WORKER_NICENESS = "RAY_worker_niceness"   # Ray's config for its workers' niceness (default 15), read from the environment
+HEALTH_CHECK = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"   # how often Ray Train's controller looks at its workers
 
 
 @contextlib.contextmanager
@@ -38,6 +39,9 @@ def ray_cluster(cluster, log=print):
     # 4.4x slower (1,060 vs 4,700 tokens/s, benchmarks/bench_first_run.py). A local Ray is the run's own:
     # its workers get the driver's priority (a value set by the user wins).
     os.environ.setdefault(WORKER_NICENESS, "0")
+    # Ray Train's controller looks at its workers every 2 s by default, and a fit's start and end each wait a
+    # look or two (~4 s of a fit's tail, measured in the tests): on the run's own machine, every 0.5 s
+    os.environ.setdefault(HEALTH_CHECK, "0.5")
     ray.init(num_cpus=cluster.num_cpus, object_store_memory=cluster.object_store_memory, resources=resources,
              runtime_env=runtime_env, log_to_driver=False)
     log(f"started a local Ray ({cluster.num_cpus} CPUs, resources {resources or 'GPUs'})")

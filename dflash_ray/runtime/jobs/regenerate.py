@@ -202,7 +202,7 @@ def regenerate(input_path: str, output_path: str, *, target_dir: str, tokenizer_
                                            max_new_tokens=max_new_tokens, batch_size=batch_size, use_gpu=cluster.use_gpu,
                                            on_max_tokens=on_max_tokens, template_kwargs=template_kwargs,
                                            gpu_share=cluster.target_gpus if cluster.use_gpu else 1.0, dtype=dtype,
-                                           threads=threads_for(cluster.cpu_threads, "regenerate")),
+                                           threads=threads_for(getattr(cluster, "cpu_threads", None), "regenerate")),
                 **res)
             t0, finished = time.monotonic(), 0
             with open(out, "a", encoding="utf-8") as f:
