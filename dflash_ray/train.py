@@ -50,9 +50,6 @@ def main_job(cfg, *, progress: bool = True, log=print, plan_log=print, startup_s
     if required:  # before Ray starts: a run that cannot resolve should not cost a cluster start
         raise UserError(f"config key '{required[0]}' must be set (e.g. {required[0]}=...)")
     trackers.check_installed(trackers.chosen(cfg.train))   # before Ray starts: one line naming the extra
-    from dflash_ray.threads import use_threads
-
-    use_threads(cfg.cluster.cpu_threads, "driver")   # the driver's own compute: the demo target's training
     clock = PhaseClock()   # where the job's time goes: printed at the end, summary.json's "phases"
     if startup_s is not None:
         clock.add("start-up", startup_s)

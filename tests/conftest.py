@@ -11,6 +11,9 @@ import json
 import os
 from pathlib import Path
 
+# idle torch threads sleep in the test process, as in a command's (dflash_ray/threads.py): set before torch loads
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 import pytest
 
 from helpers_cluster import RUNTIME_RUN, TrainRun, submit_job_to_fresh_cluster

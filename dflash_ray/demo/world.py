@@ -309,12 +309,20 @@ def _train_demo_target(cfg, tok, target_path, log) -> None:
     with open(cfg.data.input) as f:
         sequences = [tok.apply_chat_template(json.loads(line)["conversations"], tokenize=True, return_dict=False)
                      for line in f if line.strip()]
+    import torch
+
     from dflash_ray.data.report import ProgressCount
+    from dflash_ray.threads import use_threads
 
     steps = cfg.data.synthetic.target_steps
-    with ProgressCount(steps, "training the demo target", "steps") as progress:
-        train_causal_lm(str(target_path), sequences, steps=steps, pad_id=tok.pad_token_id or 0, seed=cfg.seed,
-                        log=log, on_step=progress.set)
+    before = torch.get_num_threads()
+    use_threads(cfg.cluster.cpu_threads, "driver")   # the driver's own compute (threads.py), for this phase
+    try:
+        with ProgressCount(steps, "training the demo target", "steps") as progress:
+            train_causal_lm(str(target_path), sequences, steps=steps, pad_id=tok.pad_token_id or 0, seed=cfg.seed,
+                            log=log, on_step=progress.set)
+    finally:
+        torch.set_num_threads(before)
 
 
 def _regenerate_demo(cfg, layout: RunLayout, target_path, log) -> tuple[str, int | None]:
