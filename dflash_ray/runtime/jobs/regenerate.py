@@ -189,6 +189,8 @@ def regenerate(input_path: str, output_path: str, *, target_dir: str, tokenizer_
         blocks = max(1, -(-len(todo) // per_block))
         gpus = ray.cluster_resources().get("GPU") if cluster.use_gpu else None
         counts["actors"] = actors = min(actor_pool_size(cluster, gpus), blocks)
+        if not cluster.use_gpu:   # an actor takes a CPU: never more actors than the cluster has CPUs for
+            actors = counts["actors"] = min(actors, max(1, int(ray.cluster_resources().get("CPU", 1))))
         # the output in the input's order whatever order the actor's batches finish in (a run of the demo world
         # wrote batch 32-63 before 0-31 and trained on other sample ids than the run before it)
         ctx = ray.data.DataContext.get_current()
