@@ -16,8 +16,6 @@ import fcntl
 import hashlib
 import json
 import os
-import shutil
-import uuid
 from pathlib import Path
 
 
@@ -79,19 +77,14 @@ class KeyedEntry:
     def build(self, make, facts: dict | None = None) -> None:
         """Build the entry again: make(directory) fills a temporary sibling, which replaces the entry once its
         record is written (a damaged entry is removed first)."""
-        tmp = self.path.with_name(f".{self.key}.{uuid.uuid4().hex[:8]}.tmp")
-        tmp.mkdir(parents=True)
-        try:
+        from dflash_ray.atomic import atomic_dir
+
+        with atomic_dir(self.path) as tmp:
             make(tmp)
             files = {str(p.relative_to(tmp)): [p.stat().st_size, file_digest(p)]
                      for p in sorted(tmp.rglob("*")) if p.is_file()}
             (tmp / self.RECORD).write_text(json.dumps({"what": self.what, "files": files, **(facts or {})},
                                                       indent=1, default=str))
-            if self.path.exists():
-                shutil.rmtree(self.path)
-            tmp.replace(self.path)
-        finally:
-            shutil.rmtree(tmp, ignore_errors=True)
 
     def record(self) -> dict:
         return json.loads((self.path / self.RECORD).read_text())
