@@ -141,3 +141,21 @@ def test_two_builders_of_one_entry_build_it_once(tmp_path):
     [t.start() for t in threads]
     [t.join() for t in threads]
     assert built == [1] and entry.problem() is None and (entry.path / "f").read_text() == "x"
+
+
+def test_an_entry_whose_file_keeps_its_size_but_not_its_bytes_is_damaged(tmp_path):
+    """The record's sha256 is checked, not only the size: a file rewritten in place with other bytes of the
+    same length (a flipped bit, an editor's save) makes the entry damaged, so it is built again."""
+    entry = KeyedEntry(tmp_path, {"x": 1})
+    entry.build(lambda d: ((d / "weights.bin").write_bytes(bytes(range(256))), (d / "sub").mkdir(),
+                           (d / "sub" / "f.txt").write_text("abc")))
+    assert entry.problem() is None
+    weights = entry.path / "weights.bin"
+    flipped = bytearray(weights.read_bytes())
+    flipped[100] ^= 1                                            # one bit, the length unchanged
+    weights.write_bytes(bytes(flipped))
+    assert weights.stat().st_size == 256
+    assert entry.problem() == "damaged: weights.bin differs from the entry's record"
+    (entry.path / "sub" / "f.txt").write_text("abd")             # also inside a folder
+    weights.write_bytes(bytes(range(256)))
+    assert entry.problem() == "damaged: sub/f.txt differs from the entry's record"

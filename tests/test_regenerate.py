@@ -262,3 +262,31 @@ def test_regenerate_command_names_what_is_missing_and_writes_the_output(world, r
     assert main(["regenerate", f"data.input={src}", f"data.tokenizer={tokdir}", f"model.target_path={target}",
                  f"regenerate.output={out}", "regenerate.on_max_tokens=cut"]) == 2
     assert "regenerate.on_max_tokens" in capsys.readouterr().err
+
+
+def test_read_done_cuts_a_torn_last_line_and_keeps_whole_rows(tmp_path):
+    """Resume's rule without Ray (the job's own test above is slow): a last line without its newline that is
+    not a whole row (a run killed mid-write) is cut off, byte for byte, and counted; its conversation is not
+    done. A last line that is a whole row but lost its newline is kept and gets one. A bad line before the
+    last is not regenerate's and is refused, naming the line."""
+    from dflash_ray.errors import UserError
+    from dflash_ray.runtime.jobs.regenerate import read_done
+
+    rows = [json.dumps({"id": i, "conversations": []}) + "\n" for i in ("a", "b", 7)]
+    out = tmp_path / "out.jsonl"
+    whole = "".join(rows)
+    out.write_text(whole + rows[2][:9])                          # the fourth row torn after 9 bytes
+    done, counts = read_done(out)
+    assert done == {"a", "b", "7"}
+    assert counts == {"torn last line cut off (its conversation redone)": 1}
+    assert out.read_text() == whole                               # exactly the whole rows stay
+
+    out.write_text(whole + json.dumps({"id": "d"}))               # whole, newline lost
+    done, counts = read_done(out)
+    assert done == {"a", "b", "7", "d"} and not counts
+    assert out.read_text() == whole + json.dumps({"id": "d"}) + "\n"
+
+    out.write_text(rows[0] + "{not json\n" + rows[1])
+    with pytest.raises(UserError, match=r"out.jsonl: line 2: not a JSON row"):
+        read_done(out)
+    assert read_done(tmp_path / "absent.jsonl") == (set(), {})
