@@ -16,6 +16,7 @@ os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import pytest
 
+from durations_report import pytest_addoption, pytest_configure  # noqa: F401  (--durations-json)
 from helpers_cluster import RUNTIME_RUN, TrainRun, submit_job_to_fresh_cluster
 
 # Token auth off for everything this session starts or joins (a local ray.init() would otherwise turn it
@@ -28,6 +29,13 @@ os.environ.setdefault("RAY_worker_niceness", "0")
 # report and another to see it finished: ~4 s of every fit's tail (measured), ~30 fits in the suite. The
 # tests poll every 0.5 s (the runs they start inherit it); real runs keep Ray's default (hours a fit).
 os.environ.setdefault("RAY_TRAIN_HEALTH_CHECK_INTERVAL_S", "0.5")
+# idle Ray workers kept for reuse, as a local Ray of the job keeps them (runtime/cluster.py KEEP_IDLE_WORKERS):
+# a fit on the session Ray measured ~42 s with Ray's default (idle workers killed after 1 s, new ones started
+# for the next tasks) and ~28 s (median of 10) with them kept. Every cluster the tests start inherits it.
+from dflash_ray.runtime.cluster import KEEP_IDLE_WORKERS  # noqa: E402  (no Ray, no torch imported)
+
+for _key, _value in KEEP_IDLE_WORKERS.items():
+    os.environ.setdefault(_key, _value)
 
 # The machine cache (demo worlds, converted GGUF files: dflash_ray/machine_cache.py) of this session only:
 # tests share what they build with each other, never with the user's ~/.cache or an earlier session.
@@ -114,6 +122,17 @@ def tiny_plan_batches(tiny_data):
 @pytest.fixture(scope="session")
 def train_run(ray_session, tiny_data, tmp_path_factory):
     return TrainRun(tmp_path_factory.mktemp("runs"), tiny_data)
+
+
+@pytest.fixture(scope="session")
+def split_run(train_run):
+    """One run for two bit-for-bit comparisons with job_run (each a Ray Train fit's worth of start-up saved):
+    trained in two stream segments (train.stream_segment_blocks=12 at one plan batch a block:
+    reliability/test_stream_segments.py) with its target over two stage processes
+    (cluster.target_gpus_per_replica=2: test_target_stages.py). Neither may change a weight, so together
+    they may not either; a fault in either fails both tests, each of which also checks its own facts."""
+    return train_run("split", [*RUNTIME_RUN, "train.stream_segment_blocks=12", "cluster.stream_block_mb=0",
+                               "cluster.target_gpus_per_replica=2"])
 
 
 @pytest.fixture(scope="session")

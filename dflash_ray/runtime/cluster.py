@@ -10,6 +10,10 @@ from dflash_ray.errors import UserError
 STATE_TRACKING = {"RAY_TRAIN_ENABLE_STATE_TRACKING": "1"}   # the dashboard's Train view
 WORKER_NICENESS = "RAY_worker_niceness"   # Ray's config for its workers' niceness (default 15), read from the environment
 HEALTH_CHECK = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"   # how often Ray Train's controller looks at its workers
+# Ray kills an idle worker process after 1 s once more than num_cpus are idle, and starts a new one (a Python
+# that imports Ray again, ~1.5 CPU-s) for the next task: a fit's Ray Data tasks and Train's helper actors
+# churned through ~19 fresh processes. A local Ray (the run's own machine) keeps idle workers for reuse.
+KEEP_IDLE_WORKERS = {"RAY_num_workers_soft_limit": "64", "RAY_idle_worker_killing_time_threshold_ms": "600000"}
 
 
 @contextlib.contextmanager
@@ -42,6 +46,8 @@ def ray_cluster(cluster, log=print):
     # Ray Train's controller looks at its workers every 2 s by default, and a fit's start and end each wait a
     # look or two (~4 s of a fit's tail, measured in the tests): on the run's own machine, every 0.5 s
     os.environ.setdefault(HEALTH_CHECK, "0.5")
+    for key, value in KEEP_IDLE_WORKERS.items():
+        os.environ.setdefault(key, value)
     ray.init(num_cpus=cluster.num_cpus, object_store_memory=cluster.object_store_memory, resources=resources,
              runtime_env=runtime_env, log_to_driver=False)
     log(f"started a local Ray ({cluster.num_cpus} CPUs, resources {resources or 'GPUs'})")
