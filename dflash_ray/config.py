@@ -69,7 +69,7 @@ class SyntheticConfig:
     num_conversations: int = 600     # conversations of the generated corpus (data.input null)
     min_tokens: int = 48             # conversation lengths, about min..max tokens (log-normal, long-tailed)
     max_tokens: int = 512            # (see min_tokens)
-    target_steps: int = 400          # train the synthesised target this many steps on the corpus (0: random)
+    target_steps: int = 1200         # train the synthesised target this many steps on the corpus (0: random)
     regenerate: bool = True          # train the drafter on the target's own answers (dflash-ray regenerate)
     # walks: word-cycle conversations a tiny target learns in seconds (the demo); instructions: real
     # instruction prompts (data/instructions.py) for a real target to answer (held-out kinds and topics apart)

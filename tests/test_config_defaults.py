@@ -76,7 +76,7 @@ DEMO_BUCKETS = [96, 128, 192, 256, 384, 512]
           "data.output": "runs/default/shards", "data.shards": "runs/default/shards", "run.dir": "runs/default",
           "data.synthetic.num_conversations": 600, "model.name": "tiny", "model.num_draft_layers": 2,
           "model.block_size": 8, "model.num_anchors": 64, "model.anchors_per_batch": None, "model.target_path": None,
-          "train.epochs": 8, "train.lr": 3e-3, "train.checkpoint_every": 100, "train.heldout_every": 100,
+          "train.epochs": 10, "train.lr": 3e-3, "train.checkpoint_every": 100, "train.heldout_every": 100,
           "train.checkpoint_every_minutes": 30.0}),
     (["cluster=8gpu"], {"cluster.max_batches_in_flight": 16, "cluster.object_store_memory": None,
                         "cluster.num_cpus": None, "cluster.address": "auto", "cluster.use_gpu": True,

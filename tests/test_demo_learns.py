@@ -1,5 +1,6 @@
-"""The embedded default's demo world, end to end on a shorter budget: a drafter trained here measurably
-speeds up its target. A regression that breaks learning (a mask leak, shifted labels, a broken restore,
+"""The embedded default's demo world (the package's shipped target: no target trained here), end to end on
+a shorter budget: the world is the one recorded in dflash_ray/demo/shipped/world.json (the same regenerated
+corpus and plan on every processor), and a drafter trained here measurably speeds up its target. A regression that breaks learning (a mask leak, shifted labels, a broken restore,
 a wrong regeneration) drops the held-out tau below the floor.
 
 tau is re-measured with the reference `dflash_generate` on export/ and target/ over heldout.jsonl, the
@@ -13,11 +14,11 @@ import pytest
 from helpers_cluster import TrainRun
 from helpers_model import reference_acceptance_lengths
 
-# Measured with these overrides on the 2-core machine: fresh drafter 1.00, trained 3.06 (the full default
-# reaches 3.55). The floor sits well above 1 and below the measured value.
-SHORT_DEMO = ["data.synthetic.num_conversations=400", "train.epochs=6", "data.synthetic.target_steps=300",
-              "data.synthetic.heldout_prompts=12"]
+# The default world, half the default's epochs. Measured on the 2-core machine: fresh drafter 1.00, trained
+# EPOCHS_TAU. The floor sits well above 1 and below the measured value.
+SHORT_DEMO = ["train.epochs=4"]
 TAU_FLOOR = 2.0
+PROMPTS = 16   # data.synthetic.heldout_prompts, the default's
 
 
 @pytest.fixture(scope="module")
@@ -30,18 +31,18 @@ def test_trained_drafter_speeds_up_the_target_on_heldout_prompts(demo, monkeypat
     tau = s["heldout_tau"]
     assert tau["initial"]["tau"] < 1.3 <= TAU_FLOOR <= tau["trained"]["tau"], tau
     assert tau["trained"]["outputs_match_greedy"] and tau["initial"]["outputs_match_greedy"]
-    assert tau["trained"]["prompts"] == 12 and s["ledger"]["ok"]
+    assert tau["trained"]["prompts"] == PROMPTS and s["ledger"]["ok"]
 
     run = Path(spec.run_dir)
     prompts = [json.loads(line) for line in (run / "heldout.jsonl").read_text().splitlines()]
-    assert len(prompts) == 12 and all(isinstance(t, int) for p in prompts for t in p)
+    assert len(prompts) == PROMPTS and all(isinstance(t, int) for p in prompts for t in p)
     lengths = reference_acceptance_lengths(str(run / "export"), str(run / "target"), prompts,
                                            spec.heldout_max_new_tokens, [spec_eos(spec)], monkeypatch)
     reference_tau = sum(sum(x) / len(x) for x in lengths) / len(lengths)
     assert reference_tau == pytest.approx(tau["trained"]["tau"], rel=1e-9)
     # the export's model card says what was measured (after training, on the target's device)
     card = (run / "export" / "README.md").read_text()
-    assert f"{tau['trained']['tau']:.2f} on 12 prompts" in card and f"{s['steps']:,}" in card
+    assert f"{tau['trained']['tau']:.2f} on {PROMPTS} prompts" in card and f"{s['steps']:,}" in card
 
 
 def test_the_drafter_trained_on_the_targets_own_answers(demo):
@@ -59,7 +60,20 @@ def test_the_drafter_trained_on_the_targets_own_answers(demo):
                [m["content"] for m in row["conversations"] if m["role"] == "user"]
         changed += any(a["content"] != b["content"] for a, b in zip(new, row["conversations"]))
     assert changed > 0
-    assert json.loads((run / "target" / "dflash_demo_training.json").read_text())["steps"] == 300
+    assert json.loads((run / "target" / "dflash_demo_training.json").read_text())["steps"] == 1200   # the shipped one's
+
+
+def test_the_world_is_the_recorded_one(demo):
+    """The regenerated corpus and the plan equal those recorded when the shipped world was built (on another
+    day, maybe another processor): regeneration from the shipped weights picks the same tokens here."""
+    from dflash_ray.demo import shipped
+    from dflash_ray.demo.world import SHIPPED, WORLD_JSON
+
+    spec, s = demo
+    recorded = json.loads((SHIPPED / WORLD_JSON).read_text())["fingerprint"]
+    run = Path(spec.run_dir)
+    assert shipped.regenerated_fingerprint(run / "regenerated.jsonl") == recorded["regenerated_sha256"]
+    assert {k: s["plan"][k] for k in ("batches", "tokens")} == recorded["plan_epoch0"]
 
 
 def test_heldout_tau_during_training_keeps_the_best_drafter(demo):

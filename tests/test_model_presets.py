@@ -70,8 +70,8 @@ def test_real_presets_compose_with_the_recipe_and_six_epochs(preset, capsys):
 
 
 def test_the_demo_and_the_default_keep_their_epochs():
-    assert compose_config([]).train.epochs == 8                      # tiny: the demo's own schedule
-    assert compose_config(["model=tiny"]).train.epochs == 8
+    assert compose_config([]).train.epochs == 10                     # tiny: the demo's own schedule
+    assert compose_config(["model=tiny"]).train.epochs == 10
 
 
 @pytest.mark.parametrize("key", ["drafter_intermediate_size", "drafter_num_attention_heads",

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import json
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -78,8 +79,62 @@ def make_demo_inputs(cfg, log=print, clock=None) -> DemoInputs | None:
                       shards=str(d.shards), heldout=str(d.prompts) if d.synthetic.heldout_prompts > 0 else None)
 
 
+# The tokenizer and trained target the package ships (demo/shipped.py builds them, and says why: the same world
+# on every processor); world.json says what they were made from.
+SHIPPED = Path(__file__).resolve().parent / "shipped"
+WORLD_JSON = "world.json"
+# what the shipped files' making is: a change to the target's training or the tokenizer's code bumps this
+SHIPPED_FORMAT = 1
+
+
+def made_from(cfg) -> dict:
+    """Everything the shipped tokenizer and trained target are made from (not regeneration, prompts or the run)."""
+    import hashlib
+
+    from dflash_ray.data.synthetic import CHATML_TEMPLATE, SPECIAL_TOKENS
+
+    s = cfg.data.synthetic
+    return {"format": SHIPPED_FORMAT, "seed": int(cfg.seed), "corpus": s.corpus,
+            "num_conversations": int(s.num_conversations), "min_tokens": int(s.min_tokens),
+            "max_tokens": int(s.max_tokens), "target_steps": int(s.target_steps),
+            "target_config": OmegaConf.to_container(cfg.model.target_config, resolve=True),
+            "chat_template_sha256": hashlib.sha256((CHATML_TEMPLATE + json.dumps(list(SPECIAL_TOKENS))).encode()).hexdigest()}
+
+
+def shipped_world(cfg, root: Path = SHIPPED) -> dict | None:
+    """The shipped world's record when it was made from what this config's world is made from, else None."""
+    try:
+        record = json.loads((root / WORLD_JSON).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if record.get("made_from") == made_from(cfg) else None
+
+
+def use_shipped(cfg, corpus: Path, tokenizer_dir: Path, target_dir: Path, log=print, root: Path = SHIPPED) -> bool:
+    """Copy the shipped tokenizer and target into place when they were made from this config's world and
+    from this very corpus (its sha256: a numpy that generated another corpus gets a target of its own).
+    Returns whether it did."""
+    record = shipped_world(cfg, root)
+    if record is None:
+        return False
+    from dflash_ray.machine_cache import file_digest
+
+    digest = file_digest(Path(corpus))
+    if digest != record["corpus_sha256"]:
+        log(f"demo world: the generated corpus differs from the one the shipped target was trained on "
+            f"(sha256 {digest[:12]} != {record['corpus_sha256'][:12]}): training a target here")
+        return False
+    for src, dst in ((root / "tokenizer", tokenizer_dir), (root / "target", target_dir)):
+        if dst.exists():
+            shutil.rmtree(dst)
+        shutil.copytree(src, dst)
+    log(f"demo world: the package's trained target ({record['target']['steps']} steps, final loss "
+        f"{record['target']['final_loss']:.3f}) and its tokenizer -> {target_dir.parent}")
+    return True
+
+
 # what the demo world's building code is: a change to it that changes the world bumps this (cached worlds rebuild)
-WORLD_FORMAT = 1
+WORLD_FORMAT = 2   # 2: the tokenizer and target shipped with the package (demo/shipped.py)
 
 
 def demo_world_entry(cfg):
@@ -168,6 +223,7 @@ def _build_world(cfg, log, clock) -> None:
 
     d = cfg.data
     with phase(clock, "corpus and tokenizer"):
+        _ship_in(cfg, log)          # the package's tokenizer and trained target, when they are this world's
         ensure_corpus(cfg, log=log)
         tok = AutoTokenizer.from_pretrained(str(require(cfg, "data.tokenizer")))
     if cfg.model.target_path is None:
@@ -182,6 +238,19 @@ def _build_world(cfg, log, clock) -> None:
     if d.synthetic.heldout_prompts > 0:
         with phase(clock, "held-out prompts"):
             d.prompts = str(write_heldout(cfg, tok, layout.heldout, log=log))
+
+
+def _ship_in(cfg, log) -> bool:
+    """The world's tokenizer and trained target from the package (demo/shipped.py: the same on every
+    processor) when they were made from what this config's world is made from: copied into the run
+    directory, where ensure_corpus, ensure_target and _train_demo_target then find them made."""
+    d = cfg.data
+    if d.tokenizer is not None or cfg.model.target_path is not None or shipped_world(cfg) is None:
+        return False
+    layout = RunLayout(Path(cfg.run.dir).resolve())
+    if not layout.corpus.exists():
+        write_generated(cfg, layout.corpus, d.synthetic.num_conversations, split="train")
+    return use_shipped(cfg, layout.corpus, layout.tokenizer, layout.target, log=log)
 
 
 def make_missing_inputs(cfg, log=print, clock=None) -> None:
