@@ -1,12 +1,16 @@
 """compare and compare-orders: the measures by hand, the sweep's parsing and its one-line errors, then the
-commands on the session's Ray with a small budget."""
+commands on the session's Ray with a small budget. The compare's two runs are also the bf16 test's (what
+tests/test_cpu_bf16.py trained on its own: model.compute_dtype=bfloat16 across two epoch ends)."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
 import pytest
+
+from helpers_cluster import RUNTIME_RUN
 
 from dflash_ray.data.interleave import STRATEGIES
 from dflash_ray.errors import UserError
@@ -96,6 +100,8 @@ def test_compare_orders_refuses_an_unknown_strategy_in_one_line(tiny_data, tmp_p
 # Two of the five strategies: each is the same main job with another data.interleave (the orders themselves
 # are tested in test_data_interleave.py); sequential's order is checked below, stride is the seed run's fix.
 CHOSEN = ("sequential", "stride")
+# the compare test's runs are also the bf16 run (test_a_bf16_run_crosses_its_epoch_ends): two epochs, fillers at each end
+BF16 = ["train.grad_accum=3", "model.compute_dtype=bfloat16"]
 
 
 def test_compare_orders_trains_the_named_strategies_on_the_same_batches(train_run, tiny_data, capsys):
@@ -124,16 +130,40 @@ def test_compare_orders_trains_the_named_strategies_on_the_same_batches(train_ru
         assert (root / "cmp-orders" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_compare_trains_each_value_with_everything_else_equal(train_run, tiny_data, capsys):
+@pytest.fixture(scope="module")
+def compared(train_run, tiny_data):
+    """`compare model.anchors_per_batch=null,4` once, on RUNTIME_RUN's two epochs with train.grad_accum=3 and
+    model.compute_dtype=bfloat16: the runs of the compare test below and of the bf16 test after it (one
+    Ray Train fit's worth of start-up saved; neither setting changes what the other test checks, so a fault
+    in either fails both, each of which also checks its own facts). Returns (exit code, stdout, root,
+    {run.name: (spec, summary)} of main_job's own returns)."""
+    import contextlib
+    import io
+
+    import dflash_ray.train
+    from dflash_ray.cli import main
+
+    runs, main_job = {}, dflash_ray.train.main_job
+
+    def spy(cfg, **kw):
+        spec, summary = main_job(cfg, **kw)
+        runs[str(cfg.run.name)] = (spec, summary)
+        return spec, summary
+
+    root, out = train_run.root, io.StringIO()
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(out):
+        mp.setattr(dflash_ray.train, "main_job", spy)   # compare imports it when it runs
+        code = main(["compare", "model.anchors_per_batch=null,4", f"run.root={root}", "run.name=cmpd", *tiny_data,
+                     *RUNTIME_RUN, *BF16, "train.heldout_every=2"])
+    return code, out.getvalue(), root, runs
+
+
+def test_compare_trains_each_value_with_everything_else_equal(compared):
     """The recipe's density against thinning: the same batches (ledger), the thinned run trains fewer
     block tokens (its metrics' sum); the equal-time mark is the shorter run's training time (tau itself is
     not measured in this small world: no held-out prompts; tests/test_runtime_jobs.py covers held-out tau)."""
-    from dflash_ray.cli import main
-
-    root = train_run.root
-    assert main(["compare", "model.anchors_per_batch=null,4", f"run.root={root}", "run.name=cmpd", *tiny_data,
-                 "train.max_steps=4", "train.checkpoint_every=4", "train.heldout_every=2"]) == 0
-    out = capsys.readouterr().out
+    code, out, root, _ = compared
+    assert code == 0, out[-3000:]
     assert "model.anchors_per_batch" in out and "tau@time" in out
     report = json.loads((root / "cmpd-compare" / "compare.json").read_text())
     assert report["key"] == "model.anchors_per_batch" and list(report["runs"]) == ["null", "4"]
@@ -153,3 +183,21 @@ def test_compare_trains_each_value_with_everything_else_equal(train_run, tiny_da
     assert blocks["4"] < blocks["null"] and blocks["4"] <= 4 * 8 * sum(len(p) for p, _ in ledgers["4"])
     for png in ("compare_loss.png", "compare_buckets.png"):
         assert (root / "cmpd-compare" / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ----------------------------------------------------------------------------- bf16 on the CPU
+def test_a_bf16_run_crosses_its_epoch_ends(compared, tiny_plan_batches):
+    """model.compute_dtype=bfloat16 on the CPU (what model=smollm2_135m trains with): the target actors'
+    features in bf16, the epoch end's filler rows encoded the same way (one dtype in the stream: issue 24
+    found fp32 fillers beside bf16 rows), the drafter under bf16 autocast; two epochs, every planned batch
+    trained once. The runs are the compare's (`compared`: RUNTIME_RUN, train.grad_accum=3), both checked."""
+    per_step = 2 * 3                                 # RUNTIME_RUN's 2 drafter workers x grad_accum 3
+    assert all(n % per_step for n in tiny_plan_batches), "an epoch ends without a filler: the test would miss it"
+    code, out, _, runs = compared
+    assert code == 0, out[-3000:]
+    assert sorted(runs) == ["cmpd-anchors_per_batch-4", "cmpd-anchors_per_batch-null"]
+    for spec, s in runs.values():
+        assert spec.compute_dtype == "bfloat16"
+        assert s["ledger"]["ok"] and s["epochs_finished"] == [0, 1]
+        assert s["steps"] == sum(-(-n // per_step) for n in tiny_plan_batches)
+        assert math.isfinite(s["final_loss"])

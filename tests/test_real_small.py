@@ -38,7 +38,7 @@ def converted(tmp_path_factory):
     return source, cache, gguf_target.converted_dir(source, cache=cache, log=lambda *a: None)
 
 
-def test_the_conversion_is_a_normal_hugging_face_directory_cached_by_digest(converted, monkeypatch):
+def test_the_conversion_is_a_normal_hugging_face_directory_cached_by_digest(converted, monkeypatch, tmp_path):
     from transformers import AutoConfig, AutoTokenizer
 
     source, cache, out = converted
@@ -58,10 +58,26 @@ def test_the_conversion_is_a_normal_hugging_face_directory_cached_by_digest(conv
     with monkeypatch.context() as m:      # a second use reads the cache
         m.setattr(gguf_target, "_convert", no_second_conversion)
         assert gguf_target.converted_dir(source, cache=cache, log=lambda *a: None) == out
-    (out / gguf_target.SOURCE_RECORD).unlink()              # damaged: a conversion killed before its record
-    (out / "model.safetensors").write_bytes(b"torn")
-    assert gguf_target.converted_dir(source, cache=cache, log=lambda *a: None) == out
-    assert (out / gguf_target.SOURCE_RECORD).exists() and (out / "model.safetensors").stat().st_size > 500e6
+
+    # damaged: a conversion killed before its record. Made again and swapped in whole (shown in a cache of its
+    # own, the real conversion above already shown: converting the 540 MB again cost this test 24 s)
+    other = tmp_path / "other"
+    damaged = other / "gguf" / out.name
+    damaged.mkdir(parents=True)
+    (damaged / "model.safetensors").write_bytes(b"torn")
+    made = []
+
+    def convert_again(src, where):
+        made.append(src)
+        where.mkdir(parents=True)
+        (where / "config.json").write_text("{}")
+
+    with monkeypatch.context() as m:
+        m.setattr(gguf_target, "_convert", convert_again)
+        assert gguf_target.converted_dir(source, cache=other, log=lambda *a: None) == damaged
+    assert made == [source] and sorted(p.name for p in damaged.iterdir()) == ["config.json", gguf_target.SOURCE_RECORD]
+    assert json.loads((damaged / gguf_target.SOURCE_RECORD).read_text())["sha256"] == gguf_target.file_digest(source)
+    assert not list(other.glob("gguf/.*"))                  # no temporary left beside it
 
 
 def test_the_converted_weights_are_the_gguf_loaders_own(converted):

@@ -4,7 +4,10 @@
   with one line, the last checkpoint intact; a rerun finishes and counts the skips in summary.json.
 * A trainer worker is SIGKILLed while it writes a checkpoint, then the storage stops accepting checkpoints
   (two failures in a row, more than train.max_failures=1): one line naming train.max_failures and the
-  storage, the previous complete checkpoint intact; a rerun resumes from it and ends with an exact ledger.
+  storage, the previous complete checkpoint intact. A rerun meets a storage that fills up for real (a
+  tmpfs, ENOSPC, train.max_failures=0): one line naming train.storage_path and its free space, the previous
+  checkpoint intact, no partial checkpoint left. A rerun with space resumes from it and ends with an exact
+  ledger. (One run name for both faults: a fit's start-up saved.)
 * The driver is SIGKILLed while a checkpoint's files are in storage but not yet registered: a rerun
   resumes from the previous registered checkpoint and ends with an exact ledger.
 
@@ -159,18 +162,32 @@ def storage_lock():
     unlock()
 
 
-def test_worker_killed_mid_checkpoint_then_storage_unwritable_exceeds_max_failures(
-        train_run, tiny_plan_batches, monkeypatch, storage_lock):
-    """Rank 0 stops halfway through writing the step-4 checkpoint (weights written, state.json not);
-    it is SIGKILLed there and the storage is made unwritable: failure 1, survived (train.max_failures=1),
-    the group restarts from the step-2 checkpoint; at step 4 the checkpoint cannot be written: failure 2,
-    the run stops with one line. A rerun, storage writable again, resumes from step 2 exactly."""
+def test_worker_killed_mid_checkpoint_then_storage_unwritable_then_full_then_resumes(
+        train_run, tiny_plan_batches, monkeypatch, storage_lock, tmpfs):
+    """One run name, three runs (two tests before: one fit saved; every assertion of both kept), with
+    train.storage_path on a tmpfs (64 MiB) that fills up for real:
+
+    1. Rank 0 stops halfway through writing the step-4 checkpoint (weights written, state.json not);
+       it is SIGKILLed there and the storage is made unwritable: failure 1, survived (train.max_failures=1),
+       the group restarts from the step-2 checkpoint; at step 4 the checkpoint cannot be written: failure 2,
+       the run stops with one line, the step-2 checkpoint intact.
+    2. Rerun, storage writable again but full (train.max_failures=0): while rank 0 is inside the step-4
+       checkpoint (before any upload) the tmpfs shrinks to what checkpoint 2 uses plus half a checkpoint;
+       the step-4 upload fails with "No space left on device": one line naming train.storage_path and its
+       free space, checkpoint 2 intact and still the latest, the failed upload's partial directory removed
+       (it would keep the disk full).
+    3. Rerun with space: resumes from step 2 and ends exactly once.
+
+    Not root (no tmpfs, `tmpfs` would skip): part 1 and 3 on a plain directory, part 2 skipped at the end."""
     name = "kill_and_storage"
-    overrides = [*BASE, "train.max_steps=6", "train.max_failures=1"]
+    root_user = os.geteuid() == 0
+    storage = tmpfs("64m") if root_user else train_run.root / f"{name}_storage"
+    storage.mkdir(exist_ok=True)
+    overrides = [*BASE, "train.max_steps=6", f"train.storage_path={storage}"]
     monkeypatch.setenv(TEST_FAULTS_ENV, json.dumps(
         {"checkpoint_pause": {"step": 4, "seconds": 300, "where": "write", "attempts": [1]}}))
     run_dir = train_run.root / name
-    experiment = run_dir / "ray_train" / name
+    experiment = storage / name
     seen = {}
 
     def inject(_):
@@ -185,7 +202,7 @@ def test_worker_killed_mid_checkpoint_then_storage_unwritable_exceeds_max_failur
         seen["left"] = [sorted(os.listdir(d)) for d in local_checkpoints(pause["pid"])]
 
     with pytest.raises(UserError) as err:
-        train_run(name, overrides, during=inject)
+        train_run(name, [*overrides, "train.max_failures=1"], during=inject)
     msg = one_line(err.value)
     print(msg)                                      # the line the user sees (pytest -rP shows it)
     assert seen["before"] == 2
@@ -199,13 +216,51 @@ def test_worker_killed_mid_checkpoint_then_storage_unwritable_exceeds_max_failur
     assert sorted(checkpoints_by_step(str(experiment))) == [2]
     assert seen["left"] == [["drafter.safetensors"]]                 # what the kill left: half a checkpoint ...
     assert local_checkpoints(seen["pid"]) == []                       # ... removed by the restarted workers
-
     storage_lock.unlock()
+
+    if root_user:
+        # 2. the storage fills up (ENOSPC) while rank 0 is inside the rerun's step-4 checkpoint
+        monkeypatch.setenv(TEST_FAULTS_ENV, json.dumps(
+            {"checkpoint_pause": {"step": 4, "seconds": 8, "where": "write"}}))
+        full, paused_before = {}, len(events(run_dir, "test_fault"))
+
+        def fill(_):
+            wait_for(lambda: len(events(run_dir, "test_fault")) > paused_before or (run_dir / "summary.json").exists(), 300,
+                     "rank 0 inside the rerun's step-4 checkpoint")
+            assert not (run_dir / "summary.json").exists(), "the rerun ended without pausing in its step-4 checkpoint"
+            (step, ckpt), = checkpoints_by_step(str(experiment)).items()
+            size = sum(p.stat().st_size for p in ckpt.iterdir())
+            used = shutil.disk_usage(storage).used
+            full.update(step=step, size=size)
+            tmpfs.resize(storage, f"{(used + size // 2) // 4096 * 4 + 4}k")
+
+        with pytest.raises(UserError) as err:
+            train_run(name, [*overrides, "train.max_failures=0"], during=fill)
+        msg = one_line(err.value)
+        print(msg)                                  # the line the user sees (pytest -rP shows it)
+        assert full["step"] == 2
+        assert f"the last failure: a checkpoint could not be written to train.storage_path ({storage}, " in msg, msg
+        assert "MiB free): " in msg and "No space left on device" in msg, msg
+        assert "step 2" in msg and "rerun the same run.name" in msg, msg
+        cursor, latest = latest_checkpoint(str(experiment))
+        assert cursor.step == 2 and read_state(Path(latest))["cursor"]["step"] == 2     # intact, still the latest
+        # the failed upload's partial directory was removed by the rank that failed; another rank's upload
+        # may have landed after that (its RNG file, ~12 KB; in part 1 too, before the lock): no weights or
+        # optimizer state are left behind
+        left = {p.name: sorted(f.name for f in p.iterdir()) for p in experiment.glob("checkpoint_*")
+                if p.is_dir() and str(p) != latest}
+        print("left of the failed checkpoints:", left)
+        assert all(f.startswith("rng_rank") for files in left.values() for f in files), left
+        tmpfs.resize(storage, "64m")
+
+    # 3. storage writable, with space: resumes from step 2, exactly once
     monkeypatch.delenv(TEST_FAULTS_ENV)
-    _, s = train_run(name, overrides)
+    _, s = train_run(name, [*overrides, "train.max_failures=1"])
     assert s["steps"] == 6 and s["ledger"]["ok"], s["ledger"]
-    assert s["rolled_back_steps"] >= 2                                 # steps 3, 4 of the failed attempt
+    assert s["rolled_back_steps"] >= 2                                 # steps 3, 4 of the failed attempt(s)
     assert_exact(run_dir, tiny_plan_batches, 6)
+    if not root_user:
+        pytest.skip("part 2 (a storage that fills up) needs a tmpfs, which needs root (CI runs as root)")
 
 
 def test_driver_killed_while_a_checkpoint_is_unregistered_resumes_from_the_previous(train_run, tiny_plan_batches):
@@ -260,53 +315,3 @@ def test_driver_killed_while_a_checkpoint_is_unregistered_resumes_from_the_previ
     assert orphan in removed and not any((experiment / d).exists() for d in removed)
     registered = {r["checkpoint_dir_name"] for r in read_snapshot(str(experiment))["checkpoint_results"]}
     assert not registered & set(removed)
-
-
-def test_storage_full_stops_with_one_line_then_resumes_with_space(train_run, tiny_plan_batches, monkeypatch, tmpfs):
-    """train.storage_path on a tmpfs that fills up for real (ENOSPC): while rank 0 is inside the step-4
-    checkpoint (before any upload) the tmpfs shrinks to what checkpoint 2 uses plus half a checkpoint;
-    the step-4 upload fails with "No space left on device" (train.max_failures=0): one line naming
-    train.storage_path and its free space, checkpoint 2 intact and still the latest, the failed upload's
-    partial directory removed (it would keep the disk full). A rerun with space resumes from step 2 and
-    ends exactly once."""
-    name = "storage_full"
-    storage = tmpfs("64m")
-    overrides = [*BASE, "train.max_steps=6", "train.max_failures=0", f"train.storage_path={storage}"]
-    monkeypatch.setenv(TEST_FAULTS_ENV, json.dumps(
-        {"checkpoint_pause": {"step": 4, "seconds": 8, "where": "write", "attempts": [1]}}))
-    run_dir, experiment = train_run.root / name, storage / name
-    seen = {}
-
-    def fill(_):
-        wait_for(lambda: events(run_dir, "test_fault") or (run_dir / "summary.json").exists(), 300,
-                 "rank 0 inside the step-4 checkpoint")
-        assert not (run_dir / "summary.json").exists(), "the run ended without pausing in its step-4 checkpoint"
-        (step, ckpt), = checkpoints_by_step(str(experiment)).items()
-        size = sum(p.stat().st_size for p in ckpt.iterdir())
-        used = shutil.disk_usage(storage).used
-        seen.update(step=step, size=size)
-        tmpfs.resize(storage, f"{(used + size // 2) // 4096 * 4 + 4}k")
-
-    with pytest.raises(UserError) as err:
-        train_run(name, overrides, during=fill)
-    msg = one_line(err.value)
-    print(msg)                                      # the line the user sees (pytest -rP shows it)
-    assert seen["step"] == 2
-    assert f"the last failure: a checkpoint could not be written to train.storage_path ({storage}, " in msg, msg
-    assert "MiB free): " in msg and "No space left on device" in msg, msg
-    assert "step 2" in msg and "rerun the same run.name" in msg, msg
-    cursor, latest = latest_checkpoint(str(experiment))
-    assert cursor.step == 2 and read_state(Path(latest))["cursor"]["step"] == 2     # intact, still the latest
-    # the failed upload's partial directory was removed by the rank that failed; another rank's upload may
-    # have landed after that (its RNG file, ~12 KB): no weights or optimizer state are left behind
-    left = {p.name: sorted(f.name for f in p.iterdir()) for p in experiment.glob("checkpoint_*")
-            if p.is_dir() and str(p) != latest}
-    print("left of the failed checkpoint:", left)
-    assert all(f.startswith("rng_rank") for files in left.values() for f in files), left
-
-    tmpfs.resize(storage, "64m")
-    monkeypatch.delenv(TEST_FAULTS_ENV)
-    _, s = train_run(name, overrides)
-    assert s["steps"] == 6 and s["ledger"]["ok"], s["ledger"]
-    assert s["rolled_back_steps"] >= 2                                 # steps 3, 4 of the failed attempt
-    assert_exact(run_dir, tiny_plan_batches, 6)
