@@ -473,3 +473,31 @@ def test_the_final_tau_waits_for_the_target_resources_a_bounded_time(ray_session
     t0 = time.monotonic()
     assert not resource_free_within("no_such_resource", 1, wait_s=1.5, poll_s=0.2)
     assert 1.5 <= time.monotonic() - t0 < 10
+
+
+def test_run_plans_travel_as_lengths_and_rebuild_the_same_plans():
+    """What the driver hands Ray Train's controller: the lengths (one copy), not every epoch's built plan (a
+    copy of the samples per epoch, which sat in the object store as the controller's arguments: with a store
+    full of token blocks the controller waited for plasma memory forever). Rebuilt there, equal plans."""
+    import pickle
+
+    from dflash_ray.data.shards import SampleLengths
+    from dflash_ray.runtime.spec import RunPlans
+
+    n = 20_000
+    rng = np.random.default_rng(1)
+    tokens = rng.integers(40, 500, size=n).astype(np.int64)
+    lengths = SampleLengths(np.arange(n, dtype=np.int64), tokens, tokens - 1, [], 0)
+    spec = SimpleNamespace(shards="/nonexistent",   # read again nowhere: the lengths travel
+                           plan=PlanSpec(boundaries=[96, 192, 512], max_tokens_per_batch=1024, min_tokens=16), seed=3)
+    plans = RunPlans(spec, lengths)
+    built = [plans(e) for e in range(10)]
+    data = pickle.dumps(plans)
+    # the lengths are 3 x 8 bytes a sample; each built plan would add its samples again (ids, lengths, anchors)
+    assert len(data) < 3 * 8 * n * 1.5, len(data)
+    there = pickle.loads(data)
+    for e, plan in enumerate(built):
+        again = there(e)
+        assert again.num_batches == plan.num_batches
+        for field in ("bucket", "offsets", "sample_ids", "lengths", "max_len", "anchors"):
+            assert np.array_equal(getattr(again, field), getattr(plan, field)), (e, field)
