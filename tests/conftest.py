@@ -80,7 +80,9 @@ def ray_session():
     import ray
 
     if not ray.is_initialized():
-        ray.init(num_cpus=RAY_NUM_CPUS, resources={"target_slot": RAY_TARGET_SLOTS},
+        # address="local": always this session's own Ray, never a cluster another test (or another xdist
+        # worker) started with `ray start --head`
+        ray.init(address="local", num_cpus=RAY_NUM_CPUS, resources={"target_slot": RAY_TARGET_SLOTS},
                  object_store_memory=400_000_000, include_dashboard=False, log_to_driver=False,
                  runtime_env={"env_vars": {"RAY_TRAIN_ENABLE_STATE_TRACKING": "1"}})
     yield ray
