@@ -3,6 +3,8 @@
     .venv/bin/python benchmarks/bench_suite.py                     # the whole suite, then the tables
     .venv/bin/python benchmarks/bench_suite.py -m "not slow"       # the quick loop
     .venv/bin/python benchmarks/bench_suite.py --from report.json  # the tables of an earlier run
+    .venv/bin/python benchmarks/bench_suite.py --from after.json --against before.json   # and by module, both
+    .venv/bin/python benchmarks/bench_suite.py -n 2                # on two pytest-xdist workers
 
 Runs pytest with tests/durations_report.py's `--durations-json` (every test's setup/call/teardown and every
 fixture's set-up seconds) and prints: the wall time against the tier's budget, seconds by module (tests,
@@ -77,14 +79,41 @@ def print_tables(report: dict, tier: str, wall: float | None, top: int = 25) -> 
         print(f"| {nodeid} | {t.get('setup', 0):.1f} | {t.get('call', 0):.1f} | {t.get('teardown', 0):.1f} |")
 
 
+def print_against(before: dict, after: dict, top: int) -> None:
+    """Seconds by module in an earlier report beside this one (the time each change saved or added)."""
+    b, a = summarise(before)["modules"], summarise(after)["modules"]
+    print(f"\nagainst the earlier report: {len(before['tests'])} tests in {before.get('wall_s', 0):.0f} s -> "
+          f"{len(after['tests'])} tests in {after.get('wall_s', 0):.0f} s")
+    print("\n| module | tests before | tests after | seconds before | seconds after | change |\n|---|---|---|---|---|---|")
+    rows = sorted(set(b) | set(a), key=lambda m: -max(b.get(m, {}).get("seconds", 0), a.get(m, {}).get("seconds", 0)))
+    for mod in rows[:top]:
+        sb, sa = b.get(mod, {}).get("seconds", 0.0), a.get(mod, {}).get("seconds", 0.0)
+        print(f"| {mod} | {b.get(mod, {}).get('tests', 0)} | {a.get(mod, {}).get('tests', 0)} | {sb:.1f} | {sa:.1f} "
+              f"| {sa - sb:+.1f} |")
+
+
+def _selects(pytest_args: list[str]) -> bool:
+    """Whether the arguments choose tests (paths, -k, -m), not only how to run them (-n 2, --dist ...)."""
+    how = {"-n", "--numprocesses", "--dist", "--maxprocesses", "-p"}
+    rest = list(pytest_args)
+    while rest:
+        a = rest.pop(0)
+        if a in how:
+            rest = rest[1:]
+        elif not (a.startswith("-n") and a[2:].isdigit()) and not a.startswith(("--dist=", "--numprocesses=")):
+            return True
+    return False
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--from", dest="source", help="summarise this --durations-json report instead of running")
     ap.add_argument("--keep", help="also keep the report at this path")
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--against", help="an earlier report: seconds by module before and after")
     args, pytest_args = ap.parse_known_args(argv)
     quick = any("not slow" in a for a in pytest_args)
-    tier = "quick loop (-m \"not slow\")" if quick else ("whole suite" if not pytest_args else "a selection")
+    tier = "quick loop (-m \"not slow\")" if quick else ("whole suite" if not _selects(pytest_args) else "a selection")
     wall = None
     if args.source:
         report = json.loads(Path(args.source).read_text())
@@ -93,6 +122,8 @@ def main(argv=None) -> int:
         wall = run_suite(pytest_args, out)
         report = json.loads(out.read_text())
     print_tables(report, tier, wall, args.top)
+    if args.against:
+        print_against(json.loads(Path(args.against).read_text()), report, args.top)
     return 0
 
 

@@ -5,6 +5,7 @@ session fixture's set-up to whichever test happened to ask for it first; this sa
 """
 from __future__ import annotations
 
+import glob
 import json
 import os
 import time
@@ -48,12 +49,26 @@ class DurationsRecorder:
         entry["markers"] = sorted({k for k in report.keywords if k in ("slow", "ray")})
 
     def pytest_sessionfinish(self, session, exitstatus):
-        data = {"wall_s": round(time.time() - self.started, 2), "exitstatus": int(exitstatus),
-                "tests": self.tests, "fixtures": self.fixtures}
-        tmp = f"{self.path}.tmp"
+        # Under pytest-xdist (-n N) fixtures are set up in the workers, and the controller sees every test's
+        # report but no fixture: each worker writes its fixtures beside the report, the controller merges them.
+        worker = getattr(session.config, "workerinput", {}).get("workerid")
+        if worker is not None:
+            self._write(f"{self.path}.{worker}", {"fixtures": [{**f, "worker": worker} for f in self.fixtures]})
+            return
+        fixtures = list(self.fixtures)
+        for part in sorted(glob.glob(f"{glob.escape(self.path)}.gw*")):
+            with open(part) as f:
+                fixtures += json.load(f)["fixtures"]
+            os.remove(part)
+        self._write(self.path, {"wall_s": round(time.time() - self.started, 2), "exitstatus": int(exitstatus),
+                                "tests": self.tests, "fixtures": fixtures})
+
+    @staticmethod
+    def _write(path: str, data: dict) -> None:
+        tmp = f"{path}.tmp"
         with open(tmp, "w") as f:
             json.dump(data, f, indent=1)
-        os.replace(tmp, self.path)
+        os.replace(tmp, path)
 
 
 def pytest_configure(config):

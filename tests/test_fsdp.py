@@ -83,59 +83,79 @@ def _full(drafter, opt):
             copy.deepcopy(optimizer_by_name(opt.state_dict(), trainable_names(drafter))))
 
 
-def _train(rank, port, world, mode, root, out, ckpt):
+def _init(rank, port, world):
+    import torch.distributed as dist
+
+    return lambda: dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                                           world_size=world)
+
+
+def _train(rank, ports, world, modes, root, out, ckpt):
+    """Two steps in each of `modes`, one after the other in the same processes (a process group each): a
+    spawn's start-up (torch, transformers, the package imported again) is paid once for all of them."""
     import torch.distributed as dist
 
     from dflash_ray.runtime.stream.feed import Cursor
     from dflash_ray.runtime.training.checkpoint import gather_state, write_checkpoint, write_rank_files
 
     torch.set_num_threads(1)
-    init = lambda: dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,  # noqa: E731
-                                           world_size=world)
-    drafter, model, opt, sched, width = _build(Path(root) / f"r{rank}", mode, world, init)
-    try:
-        losses = _steps(drafter, model, opt, sched, width, rank, world, 2, filler_at=1)
-        weights, optim = _full(drafter, opt)
-        snap = gather_state(drafter, opt, sched, rank) if mode == "fsdp" else None
-        if snap is not None or (mode == "fsdp" and rank != 0):   # every rank's RNG file, as save_checkpoint does
-            Path(ckpt).mkdir(parents=True, exist_ok=True)
-            write_rank_files(Path(ckpt), rank)
-        if rank == 0:
-            torch.save({"losses": losses, "weights": weights, "optim": optim}, out)
-            if snap is not None:
-                write_checkpoint(Path(ckpt), cursor=Cursor(0, 2 * world * 2, 2), world_size=world, snapshot=snap)
-        dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    results = {}
+    for mode, port in zip(modes, ports):
+        drafter, model, opt, sched, width = _build(Path(root) / mode / f"r{rank}", mode, world,
+                                                   _init(rank, port, world))
+        try:
+            losses = _steps(drafter, model, opt, sched, width, rank, world, 2, filler_at=1)
+            weights, optim = _full(drafter, opt)
+            snap = gather_state(drafter, opt, sched, rank) if mode == "fsdp" else None
+            if snap is not None or (mode == "fsdp" and rank != 0):   # every rank's RNG file, as save_checkpoint does
+                Path(ckpt).mkdir(parents=True, exist_ok=True)
+                write_rank_files(Path(ckpt), rank)
+            if rank == 0:
+                results[mode] = {"losses": losses, "weights": weights, "optim": optim}
+                if snap is not None:
+                    write_checkpoint(Path(ckpt), cursor=Cursor(0, 2 * world * 2, 2), world_size=world,
+                                     snapshot=snap)
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
+    if rank == 0:
+        torch.save(results, out)
 
 
-def _resume(rank, port, world, mode, root, out, ckpt):
+def _resume(rank, ports, world, modes, root, out, ckpt):
+    """Load the checkpoint into a drafter wrapped for each of `modes` (in turn, in the same processes), then
+    one more step. World 1 runs in the calling process, without a process group."""
     import torch.distributed as dist
 
     from dflash_ray.runtime.training.checkpoint import load_checkpoint
 
     torch.set_num_threads(1)
+    results = {}
+    for mode, port in zip(modes, ports):
+        init = _init(rank, port, world) if world > 1 else (lambda: None)
+        drafter, model, opt, sched, width = _build(Path(root) / mode / f"r{rank}", mode, world, init)
+        try:
+            load_checkpoint(Path(ckpt), drafter=drafter, optimizer=opt, scheduler=sched, rank=rank)
+            restored = _full(drafter, opt)
+            losses = _steps(drafter, model, opt, sched, width, rank, world, 1, first_step=5)
+            after = _full(drafter, opt)
+            if rank == 0:
+                results[mode] = {"restored": restored, "losses": losses, "after": after[0]}
+        finally:
+            if world > 1:
+                dist.destroy_process_group()
+    if rank == 0:
+        torch.save(results, out)
 
-    def init():
-        if world > 1:
-            dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
 
-    drafter, model, opt, sched, width = _build(Path(root) / f"r{rank}", mode, world, init)
-    try:
-        load_checkpoint(Path(ckpt), drafter=drafter, optimizer=opt, scheduler=sched, rank=rank)
-        restored = _full(drafter, opt)
-        losses = _steps(drafter, model, opt, sched, width, rank, world, 1, first_step=5)
-        after = _full(drafter, opt)
-        if rank == 0:
-            torch.save({"restored": restored, "losses": losses, "after": after[0]}, out)
-    finally:
-        if world > 1:
-            dist.destroy_process_group()
-
-
-def _spawn(fn, world, mode, tmp_path, name, ckpt):
+def _spawn(fn, world, modes, tmp_path, name, ckpt):
+    """`fn` on `world` ranks for every mode in `modes`; rank 0's results by mode."""
     out = tmp_path / f"{name}.pt"
-    mp.spawn(fn, args=(_port(), world, mode, str(tmp_path / name), str(out), str(ckpt)), nprocs=world, join=True)
+    args = ([_port() for _ in modes], world, list(modes), str(tmp_path / name), str(out), str(ckpt))
+    if world == 1:
+        fn(0, *args)
+    else:
+        mp.spawn(fn, args=args, nprocs=world, join=True)
     return torch.load(out, weights_only=False)
 
 
@@ -150,7 +170,7 @@ def _close(a: dict, b: dict, tol: float) -> float:
 def two_rank_runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fsdp")
     ckpt = tmp / "ckpt"
-    return tmp, ckpt, {m: _spawn(_train, 2, m, tmp, m, ckpt) for m in ("ddp", "fsdp")}
+    return tmp, ckpt, _spawn(_train, 2, ("ddp", "fsdp"), tmp, "two", ckpt)
 
 
 def test_a_two_rank_fsdp_step_is_the_ddp_step(two_rank_runs):
@@ -172,9 +192,9 @@ def test_an_fsdp_checkpoint_restores_whole_on_one_and_three_ranks_and_goes_on_al
     saved = load_file(str(ckpt / "drafter.safetensors"))
     saved_optim = torch.load(ckpt / "optim.pt", weights_only=False)["optimizer_by_name"]
     _close(saved, runs["fsdp"]["weights"], 0.0)                          # the files are the gathered state
-    one = _spawn(_resume, 1, "ddp", tmp, "one", ckpt)                     # plain, one process
-    three = _spawn(_resume, 3, "fsdp", tmp, "three", ckpt)                # sharded three ways
-    three_ddp = _spawn(_resume, 3, "ddp", tmp, "three_ddp", ckpt)
+    one = _spawn(_resume, 1, ("ddp",), tmp, "one", ckpt)["ddp"]          # plain, in this process
+    on_three = _spawn(_resume, 3, ("fsdp", "ddp"), tmp, "three", ckpt)
+    three, three_ddp = on_three["fsdp"], on_three["ddp"]                  # sharded three ways; DDP
     for run in (one, three, three_ddp):                                   # restored exactly, whatever the world
         weights, optim = run["restored"]
         _close(weights, saved, 0.0)
