@@ -29,6 +29,7 @@ def main() -> None:
     ap.add_argument("work")
     ap.add_argument("--steps", type=int, required=True)
     ap.add_argument("--warmup", type=int, required=True)
+    ap.add_argument("--profile", type=int, default=0, help="then profile this many more steps")
     args = ap.parse_args()
     torch.set_num_threads(1)
     import modelopt.torch.speculative as mtsp
@@ -56,10 +57,8 @@ def main() -> None:
     sched = get_cosine_schedule_with_warmup(opt, round(s["warmup_ratio"] * total), total)
     ids, mask, hidden = w["input_ids"], w["loss_mask"], w["hidden"]
     rows = s["rows"]
-    losses, blocks, elapsed = [], 0, 0.0
-    for step in range(total):
+    def one(step):
         sl = slice(step * rows, (step + 1) * rows)
-        t0 = time.perf_counter()
         out = model(input_ids=ids[sl], base_model_outputs={"aux_hidden_states": hidden[sl]},
                     loss_mask=mask[sl].float())
         out.loss.backward()
@@ -67,16 +66,32 @@ def main() -> None:
         opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
+        return out.loss
+
+    losses, blocks, elapsed = [], 0, 0.0
+    for step in range(total):
+        sl = slice(step * rows, (step + 1) * rows)
+        t0 = time.perf_counter()
+        loss = one(step)
         dt = time.perf_counter() - t0
         if step >= args.warmup:
             elapsed += dt
             # their anchor count: min(num_anchors, supervised positions up to seq_len - block)
             valid = (mask[sl][:, : ids.shape[1] - s["block"] + 1] > 0).sum(dim=1).clamp(max=s["anchors_per_row"])
             blocks += int(valid.sum())
-            losses.append(float(out.loss))
+            losses.append(float(loss))
     print(json.dumps({"trainer": "Model Optimizer 0.47.0", "steps": args.steps, "seconds": elapsed,
                       "block_tokens": blocks * s["block"], "context_tokens": int(args.steps * rows * ids.shape[1]),
-                      "trainable_parameters": sum(p.numel() for p in params), "losses": losses}))
+                      "trainable_parameters": sum(p.numel() for p in params), "losses": losses,
+                      "profile": _profile(one, args.profile)}))
+
+
+def _profile(one, n: int):
+    if not n:
+        return None
+    from profile_ops import profile_steps
+
+    return profile_steps(lambda: one(0), n)
 
 
 if __name__ == "__main__":

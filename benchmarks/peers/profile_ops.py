@@ -6,9 +6,10 @@ import json
 
 # op name fragments -> the part of a DFlash step they belong to (first match wins)
 PARTS = [
+    ("cross-entropy over the vocabulary", ("log_softmax", "nll_loss", "cross_entropy", "logsumexp",
+                                           "chunkedheadce", "argmax")),
     ("attention", ("attention", "sdpa", "softmax", "baddbmm", "bmm", "flex", "masked_fill", "where")),
-    ("linear layers (matmuls)", ("addmm", "aten::mm", "matmul", "linear")),
-    ("cross-entropy, log-softmax", ("log_softmax", "nll_loss", "cross_entropy", "logsumexp")),
+    ("matmuls (linear layers and the LM head)", ("addmm", "aten::mm", "matmul", "linear")),
     ("optimizer", ("adam", "_foreach", "lerp", "addcdiv", "sqrt", "norm")),
     ("copies and casts", ("copy_", "to_copy", "clone", "contiguous", "cat", "index", "gather", "scatter")),
 ]

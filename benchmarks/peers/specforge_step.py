@@ -26,6 +26,7 @@ def main() -> None:
     ap.add_argument("work")
     ap.add_argument("--steps", type=int, required=True)
     ap.add_argument("--warmup", type=int, required=True)
+    ap.add_argument("--profile", type=int, default=0, help="then profile this many more steps")
     args = ap.parse_args()
     torch.set_num_threads(1)
     from transformers import Qwen3Config
@@ -63,13 +64,18 @@ def main() -> None:
                         warmup_ratio=s["warmup_ratio"], lr_scheduler="cosine", total_steps=total)
     ids, mask, hidden = w["input_ids"], w["loss_mask"], w["hidden"]
     rows = s["rows"]
+    def one(step):
+        sl = slice(step * rows, (step + 1) * rows)
+        loss, _, _ = model(input_ids=ids[sl], hidden_states=hidden[sl], loss_mask=mask[sl].float())
+        loss.backward()
+        opt.step()
+        return loss
+
     losses, blocks, elapsed = [], 0, 0.0
     for step in range(total):
         sl = slice(step * rows, (step + 1) * rows)
         t0 = time.perf_counter()
-        loss, _, _ = model(input_ids=ids[sl], hidden_states=hidden[sl], loss_mask=mask[sl].float())
-        loss.backward()
-        opt.step()
+        loss = one(step)
         dt = time.perf_counter() - t0
         if step >= args.warmup:
             elapsed += dt
@@ -80,7 +86,15 @@ def main() -> None:
             losses.append(float(loss))
     print(json.dumps({"trainer": "SpecForge 0.2.0", "steps": args.steps, "seconds": elapsed,
                       "block_tokens": blocks * s["block"], "context_tokens": int(args.steps * rows * ids.shape[1]),
-                      "losses": losses}))
+                      "losses": losses, "profile": _profile(one, args.profile)}))
+
+
+def _profile(one, n: int):
+    if not n:
+        return None
+    from profile_ops import profile_steps
+
+    return profile_steps(lambda: one(0), n)
 
 
 if __name__ == "__main__":

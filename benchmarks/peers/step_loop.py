@@ -37,6 +37,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parent))   # profile_ops, shared with the peers' scripts
 PEERS_PY = REPO / ".peers-venv" / "bin" / "python"
 
 
@@ -86,7 +87,7 @@ def make_work(path: Path, *, rows: int, seq: int, batches: int, anchors_per_row:
                 "embed": embed, "head": head, "target_dir": str(target_dir)}, path)
 
 
-def run_ours(path: Path, steps: int, warmup: int) -> dict:
+def run_ours(path: Path, steps: int, warmup: int, profile: int = 0) -> dict:
     """This project's step (runtime/training/step.py's train_step over model/drafter.py's training loss),
     one optimizer step a batch, in this process."""
     import numpy as np
@@ -97,6 +98,7 @@ def run_ours(path: Path, steps: int, warmup: int) -> dict:
     from dflash_ray.runtime.stream.rows import TrainRow, encode_features, token_row
     from dflash_ray.runtime.training.model import LossModule, lr_lambda
     from dflash_ray.runtime.training.step import train_step
+    from profile_ops import profile_steps
 
     torch.set_num_threads(1)
     w = torch.load(path, weights_only=False)
@@ -118,25 +120,29 @@ def run_ours(path: Path, steps: int, warmup: int) -> dict:
         cols = token_row(scalars, 1, w["input_ids"][sl].numpy().astype(np.int32),
                          w["loss_mask"][sl].numpy().astype(np.int8), np.full(rows, seq))
         feed.append(TrainRow.from_batch({**cols, "context": context[None], "context_dtype": np.array([dtype])}))
+    def one(row):
+        return train_step(model, drafter, opt, sched, [row], rank=0, workers=1, batches_per_step=1,
+                          seed=s["seed"], grad_clip=s["grad_clip"], device=torch.device("cpu"))
+
     losses, block_tokens, elapsed = [], 0, 0.0
     for step, row in enumerate(feed):
         t0 = time.perf_counter()
-        r = train_step(model, drafter, opt, sched, [row], rank=0, workers=1, batches_per_step=1, seed=s["seed"],
-                       grad_clip=s["grad_clip"], device=torch.device("cpu"))
+        r = one(row)
         dt = time.perf_counter() - t0
         if step >= warmup:
             elapsed += dt
             block_tokens += r.block_tokens
             losses.append(r.loss)
     return {"trainer": "dflash-ray", "steps": steps, "seconds": elapsed, "block_tokens": block_tokens,
-            "context_tokens": steps * rows * seq, "losses": losses}
+            "context_tokens": steps * rows * seq, "losses": losses,
+            "profile": profile_steps(lambda: one(feed[0]), profile) if profile else None}
 
 
 def peer(script: str, name: str):
     """A peer's step (benchmarks/peers/<script>), run in the peers' venv on the work file."""
-    def run(path: Path, steps: int, warmup: int) -> dict:
+    def run(path: Path, steps: int, warmup: int, profile: int = 0) -> dict:
         out = subprocess.run([str(PEERS_PY), str(REPO / "benchmarks" / "peers" / script), str(path),
-                              "--steps", str(steps), "--warmup", str(warmup)],
+                              "--steps", str(steps), "--warmup", str(warmup), "--profile", str(profile)],
                              capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
         if out.returncode != 0:
             raise SystemExit(f"{name}'s step failed (exit {out.returncode}): {out.stderr.strip()[-1500:]}")
@@ -148,10 +154,10 @@ SIDES = {"dflash-ray": None, "SpecForge 0.2.0": peer("specforge_step.py", "SpecF
          "Model Optimizer 0.47.0": peer("modelopt_step.py", "Model Optimizer")}
 
 
-def run_ours_in_a_process(path: Path, steps: int, warmup: int) -> dict:
+def run_ours_in_a_process(path: Path, steps: int, warmup: int, profile: int = 0) -> dict:
     """Our side in a fresh process too, so both pay the same for what a process start leaves behind."""
     out = subprocess.run([sys.executable, __file__, "--ours-only", str(path), "--steps", str(steps),
-                          "--warmup", str(warmup)], capture_output=True, text=True,
+                          "--warmup", str(warmup), "--profile", str(profile)], capture_output=True, text=True,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     if out.returncode != 0:
         raise SystemExit(f"dflash-ray's step failed (exit {out.returncode}): {out.stderr.strip()[-1500:]}")
@@ -168,10 +174,12 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=3, help="runs a side, alternating")
     ap.add_argument("--work", default="/tmp/dflash-ray-peers/work.pt")
     ap.add_argument("--json", help="also write the runs and the table as JSON")
+    ap.add_argument("--profile", type=int, default=0,
+                    help="then one more run a side that profiles this many steps: CPU seconds a step by part")
     ap.add_argument("--ours-only", metavar="WORK", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.ours_only:
-        print(json.dumps(run_ours(Path(args.ours_only), args.steps, args.warmup)))
+        print(json.dumps(run_ours(Path(args.ours_only), args.steps, args.warmup, args.profile)))
         return 0
     if not PEERS_PY.exists():
         print(f"no peers' venv at {PEERS_PY.parent.parent}: run ./benchmarks/peers/setup.sh first", file=sys.stderr)
@@ -205,8 +213,22 @@ def main(argv=None) -> int:
         print(f"| {t['trainer']} | {t['block_tokens_per_s']:,.0f} ({t['block_min']:,.0f}..{t['block_max']:,.0f}) "
               f"| {t['context_tokens_per_s']:,.0f} | {t['block_tokens_per_step']:,.0f} | {t['density']:.2f} "
               f"| {ours / t['block_tokens_per_s']:.2f}x |")
+    profiles = {}
+    if args.profile:
+        for name, fn in SIDES.items():
+            profiles[name] = (fn or run_ours_in_a_process)(work, 1, args.warmup, args.profile)["profile"]
+        parts = sorted({p for prof in profiles.values() for p in prof["by_part"]})
+        print("\nCPU seconds a step, by part (self time of torch's ops, grouped by name: benchmarks/peers/profile_ops.py)")
+        print("\n| part | " + " | ".join(profiles) + " |\n|---|" + "---|" * len(profiles))
+        for part in parts + ["total"]:
+            cells = [prof["seconds_per_step"] if part == "total" else prof["by_part"].get(part, 0.0)
+                     for prof in profiles.values()]
+            print(f"| {part} | " + " | ".join(f"{c:.3f}" for c in cells) + " |")
+        for name, prof in profiles.items():
+            print(f"\n{name}, top ops (s a step): " + ", ".join(f"{k} {v:.3f}" for k, v in prof["top_ops"].items()))
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "runs": runs, "table": table}, indent=1))
+        Path(args.json).write_text(json.dumps({"args": vars(args), "runs": runs, "table": table,
+                                               "profiles": profiles}, indent=1))
     return 0
 
 
