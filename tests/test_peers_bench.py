@@ -24,7 +24,7 @@ def _load(name):
 
 
 def test_the_profile_puts_a_log_softmax_in_the_cross_entropy_and_sdpa_in_attention():
-    profile_ops = _load("profile_ops")
+    harness = _load("harness")
     q = torch.randn(1, 2, 16, 8, requires_grad=True)
     w = torch.randn(8, 64, requires_grad=True)
 
@@ -32,13 +32,13 @@ def test_the_profile_puts_a_log_softmax_in_the_cross_entropy_and_sdpa_in_attenti
         h = F.scaled_dot_product_attention(q, q, q)
         F.cross_entropy((h.reshape(-1, 8) @ w), torch.zeros(32, dtype=torch.long)).backward()
 
-    out = profile_ops.profile_steps(step, 2)
+    out = harness.profile_steps(step, 2)
     parts = out["by_part"]
     assert parts["cross-entropy over the vocabulary"] > 0 and parts["attention"] > 0
     assert parts["matmuls (linear layers and the LM head)"] > 0
     assert abs(sum(parts.values()) - out["seconds_per_step"]) < 1e-9
     # the op names it was told apart by: a log-softmax is never attention, whatever "softmax" says
-    part_of = lambda name: next((p for p, frags in profile_ops.PARTS if any(f in name.lower() for f in frags)), "other")  # noqa: E731
+    part_of = lambda name: next((p for p, frags in harness.PARTS if any(f in name.lower() for f in frags)), "other")  # noqa: E731
     assert part_of("aten::_log_softmax_backward_data") == "cross-entropy over the vocabulary"
     assert part_of("aten::_scaled_dot_product_flash_attention_for_cpu") == "attention"
 

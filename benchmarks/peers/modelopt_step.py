@@ -12,25 +12,20 @@ refuses on CPUs: the loop here is plain torch, fp32, one thread.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import logging
-import time
 import warnings
 
 import torch
+
+from harness import peer_args, time_steps
 
 warnings.filterwarnings("ignore")
 logging.disable(logging.WARNING)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("work")
-    ap.add_argument("--steps", type=int, required=True)
-    ap.add_argument("--warmup", type=int, required=True)
-    ap.add_argument("--profile", type=int, default=0, help="then profile this many more steps")
-    args = ap.parse_args()
+    args = peer_args()
     torch.set_num_threads(1)
     import modelopt.torch.speculative as mtsp
     from transformers import AutoModelForCausalLM, get_cosine_schedule_with_warmup
@@ -68,30 +63,12 @@ def main() -> None:
         opt.zero_grad(set_to_none=True)
         return out.loss
 
-    losses, blocks, elapsed = [], 0, 0.0
-    for step in range(total):
-        sl = slice(step * rows, (step + 1) * rows)
-        t0 = time.perf_counter()
-        loss = one(step)
-        dt = time.perf_counter() - t0
-        if step >= args.warmup:
-            elapsed += dt
-            # their anchor count: min(num_anchors, supervised positions up to seq_len - block)
-            valid = (mask[sl][:, : ids.shape[1] - s["block"] + 1] > 0).sum(dim=1).clamp(max=s["anchors_per_row"])
-            blocks += int(valid.sum())
-            losses.append(float(loss))
-    print(json.dumps({"trainer": "Model Optimizer 0.47.0", "steps": args.steps, "seconds": elapsed,
-                      "block_tokens": blocks * s["block"], "context_tokens": int(args.steps * rows * ids.shape[1]),
-                      "trainable_parameters": sum(p.numel() for p in params), "losses": losses,
-                      "profile": _profile(one, args.profile)}))
+    def anchors(sl):   # theirs: min(num_anchors, supervised positions up to seq_len - block)
+        valid = (mask[sl][:, : ids.shape[1] - s["block"] + 1] > 0).sum(dim=1)
+        return int(valid.clamp(max=s["anchors_per_row"]).sum())
 
-
-def _profile(one, n: int):
-    if not n:
-        return None
-    from profile_ops import profile_steps
-
-    return profile_steps(lambda: one(0), n)
+    print(json.dumps(time_steps("Model Optimizer 0.47.0", one, anchors, w, args,
+                                trainable_parameters=sum(p.numel() for p in params))))
 
 
 if __name__ == "__main__":

@@ -10,24 +10,19 @@ the DDP/FSDP wrapper of a world of one, logging, validation, checkpoints.
 """
 from __future__ import annotations
 
-import argparse
 import json
-import time
 import warnings
 
 import torch
 from torch import nn
 
+from harness import peer_args, time_steps
+
 warnings.filterwarnings("ignore")
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("work")
-    ap.add_argument("--steps", type=int, required=True)
-    ap.add_argument("--warmup", type=int, required=True)
-    ap.add_argument("--profile", type=int, default=0, help="then profile this many more steps")
-    args = ap.parse_args()
+    args = peer_args()
     torch.set_num_threads(1)
     from transformers import Qwen3Config
 
@@ -71,30 +66,11 @@ def main() -> None:
         opt.step()
         return loss
 
-    losses, blocks, elapsed = [], 0, 0.0
-    for step in range(total):
-        sl = slice(step * rows, (step + 1) * rows)
-        t0 = time.perf_counter()
-        loss = one(step)
-        dt = time.perf_counter() - t0
-        if step >= args.warmup:
-            elapsed += dt
-            # their anchor count: min(num_anchors, positions whose token and next token are supervised)
-            m = mask[sl] > 0
-            valid = (m[:, :-1] & m[:, 1:]).sum(dim=1).clamp(max=s["anchors_per_row"])
-            blocks += int(valid.sum())
-            losses.append(float(loss))
-    print(json.dumps({"trainer": "SpecForge 0.2.0", "steps": args.steps, "seconds": elapsed,
-                      "block_tokens": blocks * s["block"], "context_tokens": int(args.steps * rows * ids.shape[1]),
-                      "losses": losses, "profile": _profile(one, args.profile)}))
+    def anchors(sl):   # theirs: min(num_anchors, positions whose token and next token are supervised)
+        m = mask[sl] > 0
+        return int((m[:, :-1] & m[:, 1:]).sum(dim=1).clamp(max=s["anchors_per_row"]).sum())
 
-
-def _profile(one, n: int):
-    if not n:
-        return None
-    from profile_ops import profile_steps
-
-    return profile_steps(lambda: one(0), n)
+    print(json.dumps(time_steps("SpecForge 0.2.0", one, anchors, w, args)))
 
 
 if __name__ == "__main__":

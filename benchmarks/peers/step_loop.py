@@ -37,7 +37,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
-sys.path.insert(0, str(Path(__file__).resolve().parent))   # profile_ops, shared with the peers' scripts
+sys.path.insert(0, str(Path(__file__).resolve().parent))   # harness, shared with the peers' scripts
 PEERS_PY = REPO / ".peers-venv" / "bin" / "python"
 
 
@@ -98,7 +98,7 @@ def run_ours(path: Path, steps: int, warmup: int, profile: int = 0) -> dict:
     from dflash_ray.runtime.stream.rows import TrainRow, encode_features, token_row
     from dflash_ray.runtime.training.model import LossModule, lr_lambda
     from dflash_ray.runtime.training.step import train_step
-    from profile_ops import profile_steps
+    from harness import profile_steps
 
     torch.set_num_threads(1)
     w = torch.load(path, weights_only=False)
@@ -218,7 +218,7 @@ def main(argv=None) -> int:
         for name, fn in SIDES.items():
             profiles[name] = (fn or run_ours_in_a_process)(work, 1, args.warmup, args.profile)["profile"]
         parts = sorted({p for prof in profiles.values() for p in prof["by_part"]})
-        print("\nCPU seconds a step, by part (self time of torch's ops, grouped by name: benchmarks/peers/profile_ops.py)")
+        print("\nCPU seconds a step, by part (self time of torch's ops, grouped by name: benchmarks/peers/harness.py)")
         print("\n| part | " + " | ".join(profiles) + " |\n|---|" + "---|" * len(profiles))
         for part in parts + ["total"]:
             cells = [prof["seconds_per_step"] if part == "total" else prof["by_part"].get(part, 0.0)
