@@ -50,3 +50,41 @@ def test_without_the_peers_venv_the_command_says_what_to_run_and_exits_2(tmp_pat
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "benchmarks/peers/setup.sh" in err[0]
     assert not (tmp_path / "w.pt").exists()
+
+
+def test_the_feature_dump_writes_each_sample_as_specforge_reads_it_equal_to_its_own_forward(tmp_path):
+    """SpecForge's offline input (benchmarks/peers/whole_job.py's adapter, this project's code): one file a
+    sample, input_ids [S], loss_mask [S], hidden_states [S, taps x H] with their layer id k = transformers'
+    hidden_states[k + 1]. Rows of different lengths share right-padded batches: every file must equal the
+    sample's own unpadded forward."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from transformers import AutoModelForCausalLM
+
+    from dflash_ray.model.target import build_synthetic_target
+    from helpers_model import TINY_QWEN3
+
+    whole_job = _load("whole_job")
+    target = build_synthetic_target({**TINY_QWEN3, "num_hidden_layers": 4}, 97, str(tmp_path / "target"), seed=1)
+    g = torch.Generator().manual_seed(0)
+    lengths = [5, 9, 9, 17, 3, 12]
+    ids = [torch.randint(0, 97, (n,), generator=g).tolist() for n in lengths]
+    masks = [[0] * (n // 2) + [1] * (n - n // 2) for n in lengths]
+    (tmp_path / "shards").mkdir()
+    pq.write_table(pa.table({"input_ids": ids, "loss_mask": masks}), tmp_path / "shards" / "part-0.parquet")
+    taps = [0, 2]
+    # a budget of 30 tokens: batches of one to three rows, most of them padded
+    out = whole_job.dump_features({"shards": str(tmp_path / "shards"), "target": target}, tmp_path / "features",
+                                  taps, max_batch_tokens=30)
+    assert out == {"samples": 6, "tokens": sum(lengths)}
+    model = AutoModelForCausalLM.from_pretrained(target, torch_dtype=torch.float32).eval()
+    files = sorted((tmp_path / "features").glob("*.ckpt"))
+    assert [f.name for f in files] == [f"{i:06d}.ckpt" for i in range(6)]
+    for i, f in enumerate(files):
+        saved = torch.load(f, weights_only=True)
+        assert saved["input_ids"].tolist() == ids[i] and saved["loss_mask"].tolist() == masks[i]
+        with torch.no_grad():
+            hs = model(torch.tensor([ids[i]]), output_hidden_states=True).hidden_states
+        expected = torch.cat([hs[1][0], hs[3][0]], dim=-1)   # their layer ids 0 and 2
+        assert saved["hidden_states"].shape == (lengths[i], 2 * TINY_QWEN3["hidden_size"])
+        torch.testing.assert_close(saved["hidden_states"], expected, atol=1e-5, rtol=1e-5)

@@ -41,9 +41,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))   # harness, shared wit
 PEERS_PY = REPO / ".peers-venv" / "bin" / "python"
 
 
-def make_work(path: Path, *, rows: int, seq: int, batches: int, anchors_per_row: int, seed: int) -> None:
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+def preset_shape(*, anchors_per_row: int, rows: int, seed: int) -> dict:
+    """The smollm2_135m preset's work, as every side takes it: the target's directory and shape, the drafter
+    (layers, taps by the project's tap rule, block, mask token), the loss's decay, the optimizer's knobs."""
+    from transformers import AutoConfig
 
     from dflash_ray.config import compose_config
     from dflash_ray.model.drafter import drafter_config
@@ -52,6 +53,32 @@ def make_work(path: Path, *, rows: int, seq: int, batches: int, anchors_per_row:
 
     cfg = compose_config(["model=smollm2_135m", "data=smol_prompts"])
     target_dir = resolve_model_dir(cfg.model.target_path, "model.target_path", log=lambda *a: None)
+    tc = AutoConfig.from_pretrained(target_dir)
+    dcfg = drafter_config(tc, num_draft_layers=cfg.model.num_draft_layers, block_size=cfg.model.block_size,
+                          mask_token_id=cfg.model.mask_token_id, target_layer_ids=None)
+    return dict(target_dir=str(target_dir), hidden=tc.hidden_size, intermediate=tc.intermediate_size,
+                heads=tc.num_attention_heads, kv_heads=tc.num_key_value_heads,
+                head_dim=getattr(tc, "head_dim", tc.hidden_size // tc.num_attention_heads),
+                vocab=tc.vocab_size, rms_norm_eps=tc.rms_norm_eps, rope_theta=rope_theta(tc),
+                max_positions=tc.max_position_embeddings, target_layers=tc.num_hidden_layers,
+                draft_layers=cfg.model.num_draft_layers, block=cfg.model.block_size,
+                taps=list(dcfg.dflash_config["target_layer_ids"]), mask_token_id=cfg.model.mask_token_id,
+                anchors_per_row=anchors_per_row, loss_gamma=default_gamma(cfg.model.block_size),
+                lr=float(cfg.train.lr), weight_decay=float(cfg.train.weight_decay), grad_clip=float(cfg.train.grad_clip),
+                warmup_ratio=float(cfg.train.warmup_ratio), rows=rows, seed=seed)
+
+
+def rope_theta(config) -> float:
+    """transformers 5 keeps it in rope_parameters (a config.json of 4.x at the top level)."""
+    return float((getattr(config, "rope_parameters", None) or {}).get("rope_theta") or getattr(config, "rope_theta", 10000.0))
+
+
+def make_work(path: Path, *, rows: int, seq: int, batches: int, anchors_per_row: int, seed: int) -> None:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    shape = preset_shape(anchors_per_row=anchors_per_row, rows=rows, seed=seed)
+    target_dir, taps = shape.pop("target_dir"), shape["taps"]
     tok = AutoTokenizer.from_pretrained(target_dir)
     text = "\n\n".join(p.read_text() for p in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))])
     ids = tok(text, return_tensors="pt").input_ids[0]
@@ -59,10 +86,6 @@ def make_work(path: Path, *, rows: int, seq: int, batches: int, anchors_per_row:
     if ids.numel() < need:
         ids = ids.repeat(need // ids.numel() + 1)
     ids = ids[:need].view(rows * batches, seq)
-    target_config = AutoConfig.from_pretrained(target_dir)
-    dcfg = drafter_config(target_config, num_draft_layers=cfg.model.num_draft_layers, block_size=cfg.model.block_size,
-                          mask_token_id=cfg.model.mask_token_id, target_layer_ids=None)
-    taps = list(dcfg.dflash_config["target_layer_ids"])
     target = AutoModelForCausalLM.from_pretrained(target_dir, torch_dtype=torch.float32).eval()
     hidden = []
     with torch.no_grad():
@@ -71,16 +94,6 @@ def make_work(path: Path, *, rows: int, seq: int, batches: int, anchors_per_row:
             hidden.append(torch.cat([out.hidden_states[k + 1] for k in taps], dim=-1))
     mask = torch.ones_like(ids)
     mask[:, : seq // 4] = 0
-    tc = target_config
-    shape = dict(hidden=tc.hidden_size, intermediate=tc.intermediate_size, heads=tc.num_attention_heads,
-                 kv_heads=tc.num_key_value_heads, head_dim=getattr(tc, "head_dim", tc.hidden_size // tc.num_attention_heads),
-                 vocab=tc.vocab_size, rms_norm_eps=tc.rms_norm_eps, rope_theta=float(getattr(tc, "rope_theta", 10000.0)),
-                 max_positions=tc.max_position_embeddings, target_layers=tc.num_hidden_layers,
-                 draft_layers=cfg.model.num_draft_layers, block=cfg.model.block_size, taps=taps,
-                 mask_token_id=cfg.model.mask_token_id, anchors_per_row=anchors_per_row,
-                 loss_gamma=default_gamma(cfg.model.block_size),
-                 lr=float(cfg.train.lr), weight_decay=float(cfg.train.weight_decay), grad_clip=float(cfg.train.grad_clip),
-                 warmup_ratio=float(cfg.train.warmup_ratio), rows=rows, seed=seed)
     embed = target.get_input_embeddings().weight.detach().clone()
     head = target.get_output_embeddings().weight.detach().clone()
     torch.save({"shape": shape, "input_ids": ids, "loss_mask": mask, "hidden": torch.cat(hidden),

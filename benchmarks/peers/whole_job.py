@@ -1,0 +1,276 @@
+"""Side by side, the whole job as a user meets it, and the drafters' held-out tau at equal work: this project's
+`dflash-ray train` from the conversations against SpecForge's offline path (a feature dump, then its own CLI,
+`specforge train`, then `specforge export`), on SmolLM2-135M-Instruct's regenerated conversations.
+
+    ./benchmarks/peers/setup.sh                                     # the peers' venv (.peers-venv/), once
+    .venv/bin/python benchmarks/peers/whole_job.py                  # the table (~45 min on 2 cores)
+
+Steps (each skipped when its output is there; --fresh redoes the timed ones):
+  world      the smollm2_135m + smol_prompts world: 1,200 generated instructions answered by the target itself
+             (greedy, on a local Ray), the held-out prompts (other task kinds and topics), prepared shards. Both
+             sides train on these conversations; regeneration is the same for both and not timed against either.
+  ours       `dflash-ray train` on the regenerated conversations: prepare, plan, target actors, two drafter
+             workers, checkpoint, export (no held-out tau inside the job: the evaluator below measures both).
+  specforge  the feature dump (this project's adapter: the target's hidden states at the taps, one `.ckpt` a
+             sample in SpecForge's offline format), `specforge train --config` (SPECFORGE_DEVICE=cpu, a world
+             of one, NO_SHARD, SDPA), `specforge export --to hf`.
+  tau        one evaluator for every drafter: the reference package's `DFlashDraftModel.from_pretrained` and
+             `dflash_generate` (greedy), per prompt then over prompts as its benchmark prints it, on the
+             world's held-out prompts; every output is checked against the target's plain greedy decoding.
+
+The same for both: the conversations and their token ids and loss masks (SpecForge's dump reads the world's
+prepared shards: its path starts at the tokens), the target and taps (layers [1, 27]; their layer id k is
+transformers' hidden_states[k + 1], as here), the drafter (2 layers, width 576, 9/3 heads, head_dim 64, MLP
+1536, full attention), block 8, mask token 16, at most --anchors-per-row anchors a row (positions whose token
+and next token are supervised), hard labels with decay gamma 4, AdamW lr 3e-3, weight decay 0, clip 1.0,
+warmup 4% + cosine, --epochs passes, fp32 everywhere (the target's forwards too), the machine's two cores.
+What differs and stays: rows per optimizer step (ours: token-budget batches of 1,024 tokens on each of two
+workers; SpecForge: --rows-per-step rows a step, padded to the longest, in one process: by default the rows
+our plan averages a step), the order of the rows, each side's anchor draws and initialisation.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(REPO))
+PEERS_BIN = REPO / ".peers-venv" / "bin"
+OURS_BIN = REPO / ".venv" / "bin"
+PRESET = ["model=smollm2_135m", "data=smol_prompts"]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from step_loop import preset_shape  # noqa: E402  (the preset's work, as the step loop takes it)
+
+
+def world(root: Path) -> dict:
+    """The conversations both sides train on, the held-out prompts, the prepared shards (made once)."""
+    from omegaconf import OmegaConf
+
+    from dflash_ray.config import compose_config
+    from dflash_ray.demo.world import make_demo_inputs
+    from dflash_ray.paths import resolve_model_paths
+    from dflash_ray.runtime.cluster import ray_cluster
+    from dflash_ray.runtime.record.layout import RunLayout
+
+    cfg = compose_config([*PRESET, f"run.root={root}", "run.name=world"])
+    resolve_model_paths(cfg)
+    layout = RunLayout(Path(cfg.run.dir))
+    if not (layout.heldout.exists() and Path(cfg.data.shards).exists()):
+        t0 = time.monotonic()
+        with ray_cluster(OmegaConf.to_object(cfg.cluster)):
+            make_demo_inputs(cfg)
+        print(f"world: made in {time.monotonic() - t0:.0f} s -> {layout.root}", flush=True)
+    return {"regenerated": str(layout.regenerated), "heldout": str(layout.heldout), "shards": str(cfg.data.shards),
+            "target": str(cfg.model.target_path)}
+
+
+def timed(cmd: list[str], log: Path, env: dict | None = None) -> float:
+    """Run a command with its output in `log`; its wall seconds. A failure stops the benchmark, naming the log."""
+    t0 = time.monotonic()
+    with log.open("w") as f:
+        rc = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, env={**os.environ, **(env or {})}).returncode
+    if rc != 0:
+        raise SystemExit(f"{cmd[0]} {cmd[1]} failed (exit {rc}): see {log}")
+    return time.monotonic() - t0
+
+
+def run_ours(root: Path, w: dict, args) -> dict:
+    """`dflash-ray train` on the regenerated conversations: prepare, plan, train, checkpoint, export."""
+    run = root / "ours"
+    shutil.rmtree(run, ignore_errors=True)   # a rerun of the same run.name would resume, not train
+    cmd = [str(OURS_BIN / "dflash-ray"), "train", *PRESET, f"data.input={w['regenerated']}", f"run.root={root}",
+           "run.name=ours", "model.compute_dtype=float32", "model.anchors_per_batch=null",
+           f"model.num_anchors={args.anchors_per_row}", f"train.epochs={args.epochs}", "train.heldout_every=0"]
+    seconds = timed(cmd, root / "ours.log", {"RAY_AUTH_MODE": "disabled"})
+    s = json.loads((run / "summary.json").read_text())
+    return {"trainer": "dflash-ray", "seconds": seconds, "steps": s["steps"], "context_tokens": s["tokens"],
+            "block_tokens": s["block_tokens"], "final_loss": s["final_loss"], "drafter": s["export"],
+            "phases": {p["phase"]: p["seconds"] for p in s.get("phases", []) if "phase" in p},
+            "command": " ".join(cmd)}
+
+
+def dump_features(w: dict, out: Path, taps: list[int], max_batch_tokens: int = 8192) -> dict:
+    """SpecForge's offline input, written by this project's adapter: one `torch.save` file a sample holding
+    input_ids [S], loss_mask [S] and hidden_states [S, len(taps) * H] (transformers' hidden_states[k + 1] for
+    their layer id k), from the world's shards; rows of like length batched, right-padded (causal: padding
+    does not change the states before it), the target in fp32."""
+    import pyarrow.parquet as pq
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    rows = []
+    for shard in sorted(Path(w["shards"]).glob("*.parquet")):
+        t = pq.read_table(shard, columns=["input_ids", "loss_mask"]).to_pydict()
+        rows += list(zip(t["input_ids"], t["loss_mask"]))
+    target = AutoModelForCausalLM.from_pretrained(w["target"], torch_dtype=torch.float32).eval()
+    out.mkdir(parents=True, exist_ok=True)
+    order = sorted(range(len(rows)), key=lambda i: len(rows[i][0]))
+    tokens, i = 0, 0
+    with torch.no_grad():
+        while i < len(order):
+            j = i + 1
+            while j < len(order) and (j + 1 - i) * len(rows[order[j]][0]) <= max_batch_tokens:
+                j += 1
+            batch = order[i:j]
+            longest = len(rows[batch[-1]][0])
+            ids = torch.zeros(len(batch), longest, dtype=torch.long)
+            att = torch.zeros(len(batch), longest, dtype=torch.long)
+            for r, k in enumerate(batch):
+                n = len(rows[k][0])
+                ids[r, :n] = torch.tensor(rows[k][0])
+                att[r, :n] = 1
+            hs = target(input_ids=ids, attention_mask=att, output_hidden_states=True).hidden_states
+            feats = torch.cat([hs[k + 1] for k in taps], dim=-1)
+            for r, k in enumerate(batch):
+                n = len(rows[k][0])
+                torch.save({"input_ids": ids[r, :n].clone(), "loss_mask": torch.tensor(rows[k][1], dtype=torch.long),
+                            "hidden_states": feats[r, :n].clone()}, out / f"{k:06d}.ckpt")
+                tokens += n
+            i = j
+    return {"samples": len(rows), "tokens": tokens}
+
+
+def specforge_config(root: Path, w: dict, shape: dict, args, rows_per_step: int) -> Path:
+    """The drafter's config (their DFlashDraftModel: the reference's layout) and the training YAML."""
+    sf = root / "specforge"
+    layers = shape["draft_layers"]
+    draft = {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": shape["hidden"],
+             "intermediate_size": shape["intermediate"], "num_hidden_layers": layers,
+             "num_attention_heads": shape["heads"], "num_key_value_heads": shape["kv_heads"],
+             "head_dim": shape["head_dim"], "vocab_size": shape["vocab"], "rms_norm_eps": shape["rms_norm_eps"],
+             "rope_theta": shape["rope_theta"],
+             "rope_parameters": {"rope_theta": shape["rope_theta"], "rope_type": "default"}, "max_position_embeddings": shape["max_positions"],
+             "hidden_act": "silu", "attention_bias": False, "attention_dropout": 0.0, "tie_word_embeddings": False,
+             "layer_types": ["full_attention"] * layers, "use_sliding_window": False, "sliding_window": None,
+             "block_size": shape["block"], "num_target_layers": shape["target_layers"],
+             "dflash_config": {"target_layer_ids": shape["taps"], "mask_token_id": shape["mask_token_id"]},
+             "torch_dtype": "float32"}
+    (sf / "draft_config.json").write_text(json.dumps(draft, indent=1))
+    import yaml
+    cfg = {"model": {"target_model_path": w["target"], "draft_model_config": str(sf / "draft_config.json"),
+                     "torch_dtype": "float32", "mask_token_id": shape["mask_token_id"]},
+           "data": {"hidden_states_path": str(sf / "features"), "max_length": 2048,
+                    "dataloader_num_workers": args.specforge_loader_workers},
+           "training": {"strategy": "dflash", "num_epochs": args.epochs, "batch_size": rows_per_step,
+                        "learning_rate": shape["lr"], "lr_scheduler": "cosine", "warmup_ratio": shape["warmup_ratio"],
+                        "max_grad_norm": shape["grad_clip"], "attention_backend": "sdpa", "fsdp_sharding": "NO_SHARD",
+                        "num_anchors": args.anchors_per_row, "loss_decay_gamma": shape["loss_gamma"],
+                        "log_interval": 10, "seed": 0},
+           "output_dir": str(sf / "out"), "run_id": "specforge"}
+    path = sf / "train.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path
+
+
+def run_specforge(root: Path, w: dict, shape: dict, args, rows_per_step: int) -> dict:
+    sf = root / "specforge"
+    shutil.rmtree(sf, ignore_errors=True)
+    sf.mkdir(parents=True)
+    t0 = time.monotonic()
+    dumped = dump_features(w, sf / "features", shape["taps"])
+    dump_s = time.monotonic() - t0
+    print(f"specforge: dumped {dumped['samples']} samples, {dumped['tokens']:,} tokens in {dump_s:.0f} s", flush=True)
+    config = specforge_config(root, w, shape, args, rows_per_step)
+    env = {"SPECFORGE_DEVICE": "cpu"}
+    train_s = timed([str(PEERS_BIN / "specforge"), "train", "--config", str(config)], root / "specforge.log", env)
+    export = sf / "export"
+    export_s = timed([str(PEERS_BIN / "specforge"), "export", "--to", "hf", "--checkpoint", str(sf / "out" / "specforge-latest"),
+                      "--draft-config", str(sf / "draft_config.json"), "--output-dir", str(export)],
+                     root / "specforge_export.log", env)
+    # their trained tokens: every sample each epoch; anchors min(num_anchors, valid) a row (their sampler)
+    import torch
+    block = 0
+    for f in (sf / "features").glob("*.ckpt"):
+        m = torch.load(f, weights_only=True)["loss_mask"] > 0
+        block += min(int((m[:-1] & m[1:]).sum()), args.anchors_per_row)
+    return {"trainer": "SpecForge 0.2.0", "seconds": dump_s + train_s + export_s, "dump_seconds": dump_s,
+            "train_seconds": train_s, "export_seconds": export_s, "context_tokens": dumped["tokens"] * args.epochs,
+            "block_tokens": block * shape["block"] * args.epochs, "drafter": str(export),
+            "feature_bytes": sum(f.stat().st_size for f in (sf / "features").glob("*.ckpt")),
+            "command": f"SPECFORGE_DEVICE=cpu specforge train --config {config}"}
+
+
+def heldout_tau(drafters: dict, w: dict, max_prompts: int, max_new_tokens: int) -> dict:
+    """The reference `dflash_generate` for every drafter on the same prompts; block_size=1 is its benchmark's
+    baseline (plain greedy decoding), against which every output is checked."""
+    import dflash.model as reference
+    import torch
+
+    from dflash_ray.data.prompts import find_tokenizer, read_prompts
+    from dflash_ray.model.generation import declared_end_token_ids
+    from dflash_ray.model.target import load_target
+
+    reference._cuda_time = time.perf_counter   # it times with CUDA syncs otherwise
+    tok = find_tokenizer(w["target"], w["target"])
+    prompts = read_prompts(w["heldout"], tok, limit=max_prompts)
+    stop = declared_end_token_ids(tok, w["target"])
+    target = load_target(w["target"])
+    out = {}
+    with torch.no_grad():
+        first = reference.DFlashDraftModel.from_pretrained(next(iter(drafters.values())), dtype=torch.float32).eval()
+        greedy = [reference.dflash_generate(first, target, torch.tensor([p]), max_new_tokens, stop, block_size=1)
+                  for p in prompts]
+        for name, d in drafters.items():
+            model = reference.DFlashDraftModel.from_pretrained(d, dtype=torch.float32).eval()
+            per_prompt, match = [], 0
+            for p, g in zip(prompts, greedy):
+                r = reference.dflash_generate(model, target, torch.tensor([p]), max_new_tokens, stop, return_stats=True)
+                per_prompt.append(statistics.mean(r.acceptance_lengths))
+                match += int(torch.equal(r.output_ids, g))
+            out[name] = {"tau": statistics.mean(per_prompt), "per_prompt": per_prompt, "prompts": len(prompts),
+                         "outputs_match_greedy": match}
+            print(f"tau {name}: {out[name]['tau']:.3f} ({match}/{len(prompts)} outputs equal to greedy)", flush=True)
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--root", default="/tmp/dflash-ray-peers/whole_job")
+    ap.add_argument("--epochs", type=int, default=3)
+    ap.add_argument("--anchors-per-row", type=int, default=16)
+    ap.add_argument("--rows-per-step", type=int, default=0, help="SpecForge's batch_size (0: our plan's rows a step)")
+    ap.add_argument("--specforge-loader-workers", type=int, default=1)
+    ap.add_argument("--max-prompts", type=int, default=32)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--json", help="also write the runs and the table as JSON")
+    args = ap.parse_args(argv)
+    if not (PEERS_BIN / "specforge").exists():
+        print(f"no peers' venv at {PEERS_BIN.parent}: run ./benchmarks/peers/setup.sh first", file=sys.stderr)
+        return 2
+    root = Path(args.root)
+    root.mkdir(parents=True, exist_ok=True)
+    w = world(root)
+    shape = preset_shape(anchors_per_row=args.anchors_per_row, rows=0, seed=0)
+    ours = run_ours(root, w, args)
+    import pyarrow.parquet as pq
+    samples = sum(pq.ParquetFile(f).metadata.num_rows for f in Path(w["shards"]).glob("*.parquet"))
+    rows_per_step = args.rows_per_step or max(1, round(samples * args.epochs / ours["steps"]))
+    print(f"ours: {ours['seconds']:.0f} s, {ours['steps']} steps ({rows_per_step} rows a step on average)", flush=True)
+    theirs = run_specforge(root, w, shape, args, rows_per_step)
+    print(f"specforge: {theirs['seconds']:.0f} s", flush=True)
+    taus = heldout_tau({"dflash-ray": ours["drafter"], "SpecForge 0.2.0": theirs["drafter"]}, w,
+                       args.max_prompts, args.max_new_tokens)
+    print("\n| trainer | wall s to the same trained tokens | context tokens | trained block tokens | held-out tau "
+          "| outputs equal to greedy |\n|---|---|---|---|---|---|")
+    for r in (ours, theirs):
+        t = taus[r["trainer"]]
+        print(f"| {r['trainer']} | {r['seconds']:,.0f} | {r['context_tokens']:,} | {r['block_tokens']:,} "
+              f"| {t['tau']:.3f} | {t['outputs_match_greedy']}/{t['prompts']} |")
+    print(f"\nSpecForge's wall time: feature dump {theirs['dump_seconds']:.0f} s ({theirs['feature_bytes'] / 2**20:,.0f} MiB), "
+          f"`specforge train` {theirs['train_seconds']:.0f} s, export {theirs['export_seconds']:.0f} s; "
+          f"dflash-ray / SpecForge wall: {ours['seconds'] / theirs['seconds']:.2f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"args": vars(args), "rows_per_step": rows_per_step,
+                                               "runs": [ours, theirs], "tau": taus}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
