@@ -76,7 +76,8 @@ def test_the_feature_dump_writes_each_sample_as_specforge_reads_it_equal_to_its_
     # a budget of 30 tokens: batches of one to three rows, most of them padded
     out = whole_job.dump_features({"shards": str(tmp_path / "shards"), "target": target}, tmp_path / "features",
                                   taps, max_batch_tokens=30)
-    assert out == {"samples": 6, "tokens": sum(lengths)}
+    # supervised runs of n - n // 2 tokens: one pair fewer (in the shards' order)
+    assert out == {"samples": 6, "tokens": sum(lengths), "supervised_pairs": [n - n // 2 - 1 for n in lengths]}
     model = AutoModelForCausalLM.from_pretrained(target, torch_dtype=torch.float32).eval()
     files = sorted((tmp_path / "features").glob("*.ckpt"))
     assert [f.name for f in files] == [f"{i:06d}.ckpt" for i in range(6)]

@@ -134,7 +134,9 @@ def dump_features(w: dict, out: Path, taps: list[int], max_batch_tokens: int = 8
                             "hidden_states": feats[r, :n].clone()}, out / f"{k:06d}.ckpt")
                 tokens += n
             i = j
-    return {"samples": len(rows), "tokens": tokens}
+    # per sample, the positions whose token and next token are supervised: the anchors SpecForge may draw
+    pairs = [sum(a and b for a, b in zip(m, m[1:])) for _, m in rows]
+    return {"samples": len(rows), "tokens": tokens, "supervised_pairs": pairs}
 
 
 def specforge_config(root: Path, w: dict, shape: dict, args, rows_per_step: int) -> Path:
@@ -185,11 +187,7 @@ def run_specforge(root: Path, w: dict, shape: dict, args, rows_per_step: int) ->
                       "--draft-config", str(sf / "draft_config.json"), "--output-dir", str(export)],
                      root / "specforge_export.log", env)
     # their trained tokens: every sample each epoch; anchors min(num_anchors, valid) a row (their sampler)
-    import torch
-    block = 0
-    for f in (sf / "features").glob("*.ckpt"):
-        m = torch.load(f, weights_only=True)["loss_mask"] > 0
-        block += min(int((m[:-1] & m[1:]).sum()), args.anchors_per_row)
+    block = sum(min(n, args.anchors_per_row) for n in dumped["supervised_pairs"])
     return {"trainer": "SpecForge 0.2.0", "seconds": dump_s + train_s + export_s, "dump_seconds": dump_s,
             "train_seconds": train_s, "export_seconds": export_s, "context_tokens": dumped["tokens"] * args.epochs,
             "block_tokens": block * shape["block"] * args.epochs, "drafter": str(export),
