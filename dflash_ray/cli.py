@@ -427,7 +427,8 @@ def plan_command(cfg, args) -> int:
         check_shards(require(cfg, "data.shards"), cfg.data.vocab_size)
     plan = plan_from_config(cfg)
     summary = plan.summary()
-    from dflash_ray.runtime.plan_sizing import colocated_fits, feature_bytes_per_token, plan_memory, plan_object_store
+    from dflash_ray.runtime.plan_sizing import (colocated_fits, feature_bytes_per_token, plan_feature_cache,
+                                                plan_memory, plan_object_store)
 
     memory = plan_memory(cfg, plan)
     capacity = capacity_report(cfg, summary, feature_bytes_per_token(cfg), colocated_fits=colocated_fits(cfg, memory))
@@ -435,6 +436,10 @@ def plan_command(cfg, args) -> int:
     if store:
         memory["object_store"] = store
         memory["text"] = memory["text"] + [store["text"]]
+    cache = plan_feature_cache(cfg, plan)
+    if cache:
+        memory["feature_cache"] = cache
+        memory["text"] = memory["text"] + [cache["text"]]
     if args.dump:
         write_table_atomic(plan.to_arrow().drop_columns(["num_tokens"]), args.dump)
     if args.json:
@@ -534,6 +539,12 @@ def train_command(cfg, args) -> int:
         print("target actors' busy time per batch by bucket: "
               + ", ".join(f"{r['bucket']}: {r['mean_busy_ms']:.1f} ms" for r in busy)
               + f" (max/min {summary['target_busy_max_over_min']:.2f})")
+    fc = summary.get("feature_cache") or {}
+    if fc.get("read_rows") or fc.get("written_samples"):
+        print(f"feature cache: {fc.get('read_tokens', 0):,} tokens' features read back instead of computed "
+              f"({fc.get('read_rows', 0):,} batches, {fc.get('read_s', 0.0):.1f} s), "
+              f"{fc.get('written_samples', 0):,} samples written ({fc.get('written_bytes', 0) / 2**20:,.0f} MiB); "
+              f"damaged entries recomputed: {fc.get('damaged', 0)}, failed writes: {fc.get('write_errors', 0)}")
     tau = summary.get("heldout_tau")
     if tau:
         a, b = tau["initial"], tau["trained"]

@@ -179,6 +179,13 @@ class TrainConfig:
     # the step fits the drafter's GPU share, else fsdp)
     parallelism: str = "auto"
     recompute_layers: bool = False  # activation checkpointing of the drafter's layers: recompute in backward
+    # the target's features: online (every epoch through the target actors) | hybrid (each sample's computed
+    # once, cached on the node, read back after) | auto (hybrid for runs of 2+ epochs whose cache fits; the
+    # real presets' choice). Online by default: hybrid's features equal online's up to float rounding (another
+    # batch shape), and the embedded default's runs stay bit for bit reproducible
+    features: str = "online"
+    feature_cache_dir: Optional[str] = None   # node-local (null: $DFLASH_RAY_CACHE/features, ~/.cache/dflash-ray)
+    feature_cache_gb: float = 64.0            # the cache's disk budget per node: over it, a run stays online
 
 
 @dataclass
@@ -226,7 +233,8 @@ class RootConfig:
 
 CHOICES = {"data.overlong": ("truncate", "drop"), "data.format": FORMATS, "data.on_bad_row": ON_BAD_ROW,
            "data.turns": ("all", "last"), "data.prepare_engine": ("local", "ray"), "data.interleave": STRATEGIES,
-           "train.checkpoint_upload": ("async", "sync"), "train.parallelism": ("auto", "ddp", "fsdp"), "regenerate.on_max_tokens": ("drop", "keep"),
+           "train.checkpoint_upload": ("async", "sync"), "train.parallelism": ("auto", "ddp", "fsdp"),
+           "train.features": ("auto", "online", "hybrid"), "regenerate.on_max_tokens": ("drop", "keep"),
            "data.synthetic.corpus": ("walks", "instructions"), "model.compute_dtype": (None, "bfloat16", "float32")}
 MINIMUM = {"model.block_size": 2, "model.num_draft_layers": 1, "model.num_anchors": 1, "model.anchors_per_batch": 1,
            "model.max_block_tokens_per_batch": 1,
@@ -236,7 +244,7 @@ MINIMUM = {"model.block_size": 2, "model.num_draft_layers": 1, "model.num_anchor
            "data.prepare_rows_per_task": 1, "data.synthetic.target_steps": 0, "data.synthetic.heldout_prompts": 0,
            "cluster.target_workers": 1, "cluster.drafter_workers": 1, "cluster.target_gpus_per_replica": 1, "cluster.target_gpus": 0.01,
            "cluster.drafter_gpus": 0.01, "cluster.max_batches_in_flight": 1, "cluster.nodes": 1,
-           "cluster.stream_block_mb": 0, "cluster.device_memory_gb": 0.1,
+           "cluster.stream_block_mb": 0, "cluster.device_memory_gb": 0.1, "train.feature_cache_gb": 0,
            "data.heldout_fraction": 0.0, "train.epochs": 1, "train.lr": 0.0, "train.warmup_ratio": 0.0, "train.grad_accum": 1,
            "train.checkpoint_every": 0, "train.checkpoint_every_minutes": 0.0, "train.num_to_keep": 1,
            "train.max_failures": 0, "train.stream_segment_blocks": 0, "train.max_nonfinite_steps": 0,
@@ -248,6 +256,11 @@ AT_LEAST = {"data.attention_tokens": "0: no attention term", "cluster.stream_blo
 
 
 # ----------------------------------------------------------------------------- composition
+def compute_dtype(cfg) -> str:
+    """model.compute_dtype answered: the user's value, else bfloat16 on GPUs and float32 on CPUs."""
+    return cfg.model.compute_dtype or ("bfloat16" if cfg.cluster.use_gpu else "float32")
+
+
 def _flat_keys(cfg: Any, prefix: str = "") -> List[str]:
     keys = []
     if isinstance(cfg, DictConfig):

@@ -4,21 +4,53 @@ drafter's parallelism that `train.parallelism=auto` resolves to. Reads the targe
 (or its config.json); no Ray."""
 from __future__ import annotations
 
+from dflash_ray.config import compute_dtype
+
 
 def feature_bytes_per_token(cfg) -> float | None:
-    """Bytes of the target's features per token as they travel (hidden x tapped layers; bf16 on GPUs,
-    fp32 on CPUs); None when the target's shape is unknown."""
+    """Bytes of the target's features per token as they travel (hidden x tapped layers x the compute
+    dtype's bytes); None when the target's shape is unknown."""
+    shape = _feature_shape(cfg)
+    if shape is None:
+        return None
+    hidden, taps = shape
+    return float(hidden) * taps * (2 if compute_dtype(cfg) == "bfloat16" else 4)
+
+
+def _feature_shape(cfg) -> tuple[int, int] | None:
+    """(the target's width, the tapped layers), None when the target's shape is unknown."""
     from dflash_ray.data.plan import target_fields
     from dflash_ray.model.target import default_target_layer_ids
     from dflash_ray.sizing.memory import text_config
 
-    target = target_fields(cfg)
-    text = text_config(target or {})
+    text = text_config(target_fields(cfg) or {})
     if "hidden_size" not in text:
         return None
     m = cfg.model
     taps = len(m.target_layer_ids or default_target_layer_ids(int(text["num_hidden_layers"]), m.num_draft_layers))
-    return float(text["hidden_size"]) * taps * (2 if cfg.cluster.use_gpu else 4)
+    return int(text["hidden_size"]), taps
+
+
+def plan_feature_cache(cfg, plan) -> dict | None:
+    """What train.features would do with this plan (runtime/stream/feature_cache.py): the cache's size per node
+    (the plan's tokens x taps x hidden x bytes), the mode and why; None when the target's shape is unknown."""
+    from dflash_ray.errors import UserError
+    from dflash_ray.runtime.stream.feature_cache import cache_bytes, cache_disk, choose_features
+
+    shape = _feature_shape(cfg)
+    if shape is None:
+        return None
+    t, dtype, tokens = cfg.train, compute_dtype(cfg), int(plan.summary()["tokens"])
+    need = cache_bytes(tokens, shape[1], shape[0], dtype)
+    _, free = cache_disk(t.feature_cache_dir)
+    try:
+        mode, why = choose_features(t.features, t.epochs, need, t.feature_cache_gb, free)
+    except UserError as e:
+        mode, why = "refused", str(e)
+    return {"bytes": need, "mode": mode, "why": why,
+            "text": f"feature cache: {need / 2**30:,.2f} GiB a node at most ({tokens:,} tokens x {shape[1]} taps x "
+                    f"{shape[0]} x {2 if dtype == 'bfloat16' else 4} bytes, {dtype}); train.features={t.features} "
+                    f"-> {mode} ({why})"}
 
 
 def plan_object_store(cfg, plan) -> dict | None:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from dflash_ray.config import ClusterConfig, TrainConfig, require
+from dflash_ray.config import ClusterConfig, TrainConfig, compute_dtype, require
 from dflash_ray.data.plan import Plan, PlanSpec, batch_anchor_cap, build_plan
 from dflash_ray.errors import UserError
 from dflash_ray.model.drafter import DrafterConfig
@@ -52,6 +52,8 @@ class RunSpec:
     init_from: str | None = None    # an exported drafter the run starts from at step 0 (checked against the run)
     target_hidden_size: int = 0     # the target's width: sizes the stream's blocks (0: unknown, one batch a block)
     compute_dtype: str = "float32"  # the target's forwards and the drafter's autocast (model.compute_dtype resolved)
+    feature_cache: str | None = None   # train.features resolved: the cache's key (hybrid), None (online)
+    features_why: str = ""          # why that mode (printed at the start, summary.json)
 
     @property
     def batches_per_step(self) -> int:
@@ -201,10 +203,37 @@ def resolve_spec(cfg, log=print, *, inputs: bool = True, record: bool = True) ->
         chat_template_kwargs=OmegaConf.to_container(d.chat_template_kwargs) if d.chat_template_kwargs else None,
         init_from=init_from,
         target_hidden_size=int(getattr(tcfg, "hidden_size", 0) or 0),
-        compute_dtype=m.compute_dtype or ("bfloat16" if cfg.cluster.use_gpu else "float32"))
+        compute_dtype=compute_dtype(cfg))
     if record:
         check_run_inputs(spec, tcfg, scan, log=log)
+    if scan is not None:
+        spec = with_feature_cache(spec, scan, log)
     return spec
+
+
+def with_feature_cache(spec: RunSpec, scan, log=print) -> RunSpec:
+    """train.features answered (runtime/stream/feature_cache.py): hybrid with the cache's key, or online, and
+    why; printed. The cache's size is the corpus's tokens at the taps (its disk: this node's, where the
+    driver runs)."""
+    from dflash_ray.runtime.record.run_inputs import read_run_inputs
+    from dflash_ray.runtime.stream.feature_cache import cache_bytes, cache_disk, cache_key, choose_features
+
+    t = spec.train
+    need = cache_bytes(int(scan.lengths.num_tokens.sum()), len(spec.drafter.target_layer_ids),
+                       spec.target_hidden_size, spec.compute_dtype)
+    root, free = cache_disk(t.feature_cache_dir)
+    mode, why = choose_features(t.features, t.epochs, need, t.feature_cache_gb, free)
+    key = None
+    if mode == "hybrid":
+        contents = scan.contents or ((read_run_inputs(spec.run_dir) or {}).get("shards") or {}).get("contents")
+        if not contents:
+            from dflash_ray.data.shards import contents_digest
+
+            contents = contents_digest(spec.shards)
+        key = cache_key(spec.target_path, spec.drafter.target_layer_ids, spec.compute_dtype, contents)
+        why = f"{why} at {root / key}"
+    log(f"target features: {mode} ({why})")
+    return dataclasses.replace(spec, feature_cache=key, features_why=f"{mode}: {why}")
 
 
 def with_parallelism(spec: RunSpec, parallelism: str, log=print) -> RunSpec:

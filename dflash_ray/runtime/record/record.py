@@ -53,6 +53,7 @@ class RunRecord:
         self.rank_nodes: list = []    # node of each trainer rank (the current stream's worker group)
         self.placement: list = []     # per node group: ranks and target actors (stream/pipeline.py)
         self.features = {"rows": 0, "bytes": 0, "cross_node_rows": 0, "cross_node_bytes": 0}
+        self.feature_cache = {"read_tokens": 0, "read_s": 0.0}   # + feature_cache.FeatureCache's counts
         self.workers: dict[int, dict] = {}
         self.last: dict = {}
         self.stream_total_steps = 0   # the current stream's last step
@@ -217,10 +218,19 @@ class RunRecord:
             self.event("target_actor_restarted", actor=key, pid=pid)
         self._failures_gauge()
 
-    def target_batches(self, key: str, report: list) -> None:
-        """A target actor's block: (busy seconds, tokens, bucket, feed index, feature bytes) per batch."""
-        for busy_s, tokens, bucket, index, nbytes in report:
-            self.target_batch(key, busy_s, tokens, bucket, index, nbytes)
+    def target_batches(self, key: str, report: list, cache: dict | None = None) -> None:
+        """A target actor's block: (busy seconds, tokens, bucket, feed index, feature bytes, read from the
+        feature cache) per batch, and what its feature cache did for the block (feature_cache.py counts).
+        A batch read from the cache is no target forward: the target's rates count computed batches only."""
+        for busy_s, tokens, bucket, index, nbytes, cached in report:
+            if cached:
+                c = self.feature_cache
+                c["read_tokens"] += int(tokens)
+                c["read_s"] += busy_s
+            else:
+                self.target_batch(key, busy_s, tokens, bucket, index, nbytes)
+        for k, v in (cache or {}).items():
+            self.feature_cache[k] = self.feature_cache.get(k, 0) + v
 
     def target_batch(self, key: str, busy_s: float, tokens: int, bucket: int, index: int = -1,
                      nbytes: int = 0) -> None:
@@ -344,7 +354,8 @@ class RunRecord:
                 "failures_survived": self.failures_survived(), "rolled_back_steps": self.rolled_back_steps,
                 "removed_checkpoints": self.removed_checkpoints, "targets": targets,
                 "checkpoints": self.checkpoints, "checkpoint_cost": self.checkpoint_cost(), "last": self.last,
-                "placement": self.placement, "feature_traffic": dict(self.features), "timeline": self.timeline,
+                "placement": self.placement, "feature_traffic": dict(self.features),
+                "feature_cache": dict(self.feature_cache), "timeline": self.timeline,
                 "evals": self.evals, "stopped": self.stopped, "started": self.started}
 
     def close(self) -> None:

@@ -66,6 +66,9 @@ def build_summary(run_spec, plans, plan_summary: dict, report: dict, *, started:
         "token_store": report.get("token_store"),
         "stream_segments": report.get("segments"),
         "placement": report.get("placement"), "feature_traffic": report.get("feature_traffic"),
+        # train.features: the mode and why; hybrid: the batches read back instead of computed, the entries
+        # written, damaged ones found (recomputed), failed writes (then online)
+        "features": run_spec.features_why, "feature_cache": report.get("feature_cache"),
         "target_busy_max_over_min": report["target_busy_max_over_min"],
         "timeline_seconds": report.get("timeline", {}),
         # tau against the target tokens trained so far: does more data or more steps help?

@@ -77,11 +77,13 @@ def join_tokens(batch: dict, *, feed: _Ref, tokens: _Ref, coordinator: str, name
         if row["position"] < 0:  # filler: pads an epoch's last step to a full step; trains nothing
             n = 2 * block_size + 2
             ids, mask, lengths = np.full((1, n), pad_id, np.int32), np.ones((1, n), np.int8), np.array([n])
+            samples = np.array([-1], np.int64)
         else:
             store = store or TokenStore(**_get(tokens))
             lengths = np.asarray(row["lengths"], np.int64)
-            ids, mask = store.batch(np.asarray(row["sample_ids"], np.int64), lengths, pad_id)
-        rows.append(token_row({k: row[k] for k in FEED_SCALARS}, gen, ids, mask, lengths))
+            samples = np.asarray(row["sample_ids"], np.int64)
+            ids, mask = store.batch(samples, lengths, pad_id)
+        rows.append(token_row({k: row[k] for k in FEED_SCALARS}, gen, ids, mask, lengths, samples))
     return stack_rows(rows)
 
 
@@ -186,11 +188,15 @@ class TargetForward:
 
     def __init__(self, target_path: str, layer_ids: list, use_gpu: bool, record: str, namespace: str,
                  threads: int = 1, gpu_share: float = 1.0, dtype: str = "float32", stages: int = 1,
-                 stage_resources: dict | None = None):
+                 stage_resources: dict | None = None, feature_cache: tuple | None = None):
         import ray
         import torch
 
         from dflash_ray.model.target import load_feature_extractor
+        from dflash_ray.runtime.stream.feature_cache import FeatureCache, default_root
+
+        # hybrid (train.features): (cache dir or None for this node's default, key); None: online
+        self.cache = None if feature_cache is None else FeatureCache(feature_cache[0] or default_root(), feature_cache[1])
 
         if not use_gpu:
             torch.set_num_threads(max(1, threads))
@@ -208,6 +214,7 @@ class TargetForward:
                                                   dtype=getattr(torch, dtype))
         # an epoch end's filler rows: zeros encoded as the real rows are (one dtype in the stream)
         self.filler_dtype = getattr(torch, dtype)
+        self.feature_dtype = dtype   # the encoding's name (rows.encode_features) of features read from the cache
         self.key = ray.get_runtime_context().get_actor_id()[:12]
         self.record = ray.get_actor(record, namespace=namespace)   # the run record counts what we compute
         ray.get(self.record.target_started.remote(self.key, os.getpid(), ray.get_runtime_context().get_node_id()))
@@ -218,23 +225,32 @@ class TargetForward:
     def __call__(self, batch: dict) -> dict:
         """A block of plan batches (see rows.stack_rows): each one's features, one report for the block."""
         contexts, dtypes, report = [], [], []
+        counts = dict(self.cache.counts) if self.cache is not None else None
         for i in range(len(batch["position"])):
             t0 = time.perf_counter()
-            ids = batch["input_ids"][i]
+            ids, lengths = batch["input_ids"][i], batch["lengths"][i]
+            cached = None
             if int(batch["position"][i]) < 0:  # a filler: zeros of the right shape, no forward
                 import torch
 
                 width = self.extract.hidden_size * len(self.extract.layer_ids)
                 feats, dtype = encode_features(torch.zeros(ids.shape + (width,), dtype=self.filler_dtype))
-            elif self.followers:
-                feats, dtype = self.replica_context(ids, batch["lengths"][i])
+            elif self.cache is not None and (cached := self.cache.read_batch(batch["sample_ids"][i], lengths,
+                                                                               ids.shape[1])) is not None:
+                feats, dtype = cached, self.feature_dtype
             else:
-                feats, dtype = target_context(self.extract, ids, batch["lengths"][i], self.device)
+                if self.followers:
+                    feats, dtype = self.replica_context(ids, lengths)
+                else:
+                    feats, dtype = target_context(self.extract, ids, lengths, self.device)
+                if self.cache is not None:
+                    self.cache.write_batch(batch["sample_ids"][i], lengths, feats)
             contexts.append(feats)
             dtypes.append(dtype)
             report.append((time.perf_counter() - t0, int(batch["num_tokens"][i]), int(batch["bucket"][i]),
-                           int(batch["index"][i]), int(feats.nbytes)))
-        self.record.target_batches.remote(self.key, report)
+                           int(batch["index"][i]), int(feats.nbytes), cached is not None))
+        cache = None if counts is None else {k: v - counts[k] for k, v in self.cache.counts.items()}
+        self.record.target_batches.remote(self.key, report, cache)
         batch["context"] = contexts
         batch["context_dtype"] = np.array(dtypes)
         return batch
@@ -441,7 +457,9 @@ class DatasetFactory:
             fn_constructor_kwargs=dict(target_path=s.target_path, layer_ids=list(s.drafter.target_layer_ids),
                                        use_gpu=c.use_gpu, record=record_actor_name(s.coordinator), namespace=s.namespace,
                                        gpu_share=c.target_gpus, dtype=s.compute_dtype, threads=threads_for(c.cpu_threads, "target"),
-                                       stages=c.target_gpus_per_replica, stage_resources=res),
+                                       stages=c.target_gpus_per_replica, stage_resources=res,
+                                       feature_cache=None if s.feature_cache is None
+                                       else (s.train.feature_cache_dir, s.feature_cache)),
             **res, **pin)
 
 

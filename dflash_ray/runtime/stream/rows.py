@@ -5,7 +5,7 @@ variable-shaped tensors) and a trainer reads a block at a time (batch_size=None)
 rows (`train_rows`).
 
     feed row (feed.py)    index, epoch, position, epoch_batches, bucket, num_tokens, sample_ids, lengths
-    after join_tokens     FEED_SCALARS + gen, input_ids [1,rows,width], loss_mask, lengths [1,rows]
+    after join_tokens     FEED_SCALARS + gen, input_ids [1,rows,width], loss_mask, lengths [1,rows], sample_ids
     after TargetForward   + context [1,rows,width,features] and context_dtype (see encode_features)
 
 Pure numpy on the encoding side; torch only where a trainer decodes a row (imported lazily), so the
@@ -27,14 +27,17 @@ FILLER = -1   # `position` of a filler row: pads an epoch's last step to a full 
 
 
 def token_row(scalars: dict, gen: int, input_ids: np.ndarray, loss_mask: np.ndarray,
-              lengths: np.ndarray) -> dict:
+              lengths: np.ndarray, sample_ids: np.ndarray | None = None) -> dict:
     """The join stage's output for one feed row: its scalars, the stream generation and the padded
-    tokens (input_ids int32, loss_mask int8, lengths int32; one row per sample)."""
+    tokens (input_ids int32, loss_mask int8, lengths int32; one row per sample), and the samples' ids
+    (int64, -1 for a filler or where unknown: the feature cache's keys)."""
     out = {k: np.array([scalars[k]], np.int64) for k in FEED_SCALARS}
     out["gen"] = np.array([gen], np.int64)
     out["input_ids"] = input_ids[None]
     out["loss_mask"] = loss_mask[None]
     out["lengths"] = np.asarray(lengths).astype(np.int32)[None]
+    ids = np.full(len(lengths), -1) if sample_ids is None else sample_ids
+    out["sample_ids"] = np.asarray(ids).astype(np.int64)[None]
     return out
 
 
