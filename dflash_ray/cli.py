@@ -356,7 +356,7 @@ def regenerate_command(cfg, args) -> int:
     the configured cluster; resumable; failures counted by reason)."""
     from omegaconf import OmegaConf
 
-    from dflash_ray.config import require
+    from dflash_ray.config import compute_dtype, require
     from dflash_ray.data.prepare import template_kwargs
     from dflash_ray.runtime.cluster import ray_cluster
     from dflash_ray.runtime.jobs.regenerate import regenerate
@@ -371,7 +371,7 @@ def regenerate_command(cfg, args) -> int:
         counts = regenerate(source, output, target_dir=target, tokenizer_dir=tokenizer, cluster=cluster,
                             max_new_tokens=cfg.regenerate.max_new_tokens, on_max_tokens=cfg.regenerate.on_max_tokens,
                             template_kwargs=template_kwargs(cfg), batch_size=cfg.regenerate.batch_size,
-                            dtype=cfg.model.compute_dtype, log=log)
+                            dtype=compute_dtype(cfg), log=log)
     if args.json:
         print(json.dumps(counts, indent=2))
     return 0

@@ -59,8 +59,9 @@ class ModelConfig:
     drafter_num_attention_heads: Optional[int] = None   # drafter heads (null: the target's); head_dim stays the target's
     drafter_num_key_value_heads: Optional[int] = None   # drafter key/value heads (null: the target's)
     init_from: Optional[str] = None              # an exported drafter to start from (step 0 only; its shape must match)
-    # the target's forwards and the drafter's autocast in training (null: bfloat16 on GPUs, float32 on CPUs;
-    # bfloat16 on a CPU with AMX runs ~4x faster, benchmarks/bench_cpu_dtype.py); eval stays float32 on CPUs
+    # the target's forwards (training, regeneration) and the drafter's autocast (null: bfloat16 on GPUs; on CPUs
+    # bfloat16 where this processor multiplies bf16 fast, measured once per machine (dflash_ray/processor.py:
+    # ~4x with AMX, 58x slower on an AVX2-only one), else float32); eval stays float32 on CPUs
     compute_dtype: Optional[str] = None
 
 
@@ -257,8 +258,20 @@ AT_LEAST = {"data.attention_tokens": "0: no attention term", "cluster.stream_blo
 
 # ----------------------------------------------------------------------------- composition
 def compute_dtype(cfg) -> str:
-    """model.compute_dtype answered: the user's value, else bfloat16 on GPUs and float32 on CPUs."""
-    return cfg.model.compute_dtype or ("bfloat16" if cfg.cluster.use_gpu else "float32")
+    """model.compute_dtype answered (see `compute_dtype_why`)."""
+    return compute_dtype_why(cfg)[0]
+
+
+def compute_dtype_why(cfg) -> tuple[str, str]:
+    """(model.compute_dtype answered, why): the user's value, else bfloat16 on GPUs, else what this processor
+    computes fast (dflash_ray/processor.py: measured once per machine)."""
+    if cfg.model.compute_dtype:
+        return cfg.model.compute_dtype, "model.compute_dtype"
+    if cfg.cluster.use_gpu:
+        return "bfloat16", "GPUs compute in bfloat16"
+    from dflash_ray.processor import cpu_compute_dtype
+
+    return cpu_compute_dtype()
 
 
 def _flat_keys(cfg: Any, prefix: str = "") -> List[str]:

@@ -106,3 +106,19 @@ def test_an_unresolved_hub_id_is_no_target_and_never_the_tiny_one(world):
     # a preset left unset: its own shape; the demo (target_path null): its synthesised target's
     assert target_fields(compose_config(["model=qwen3_8b"]))["hidden_size"] == 4096
     assert target_fields(compose_config([]))["hidden_size"] == 64
+
+
+def test_plan_prints_the_feature_cache_and_the_8b_preset_stays_online_saying_why(world, capsys):
+    _, args = world
+    out = _plan(args + ["model=qwen3_8b"], capsys)
+    cache = out["memory"]["feature_cache"]
+    # the corpus's tokens x Qwen3-8B's 5 taps ([1, 9, 17, 25, 33]) x 4096 x 2 bytes (bf16 on GPUs)
+    assert cache["bytes"] == out["tokens"] * 5 * 4096 * 2 > 64 * 2**30
+    assert cache["mode"] == "online" and "over train.feature_cache_gb=64" in cache["why"]
+    small = _plan(args + ["model=qwen3_8b", "train.feature_cache_gb=1000"], capsys)["memory"]["feature_cache"]
+    assert small["mode"] in ("hybrid", "online") and ("hybrid" == small["mode"]) == ("GiB free" not in small["why"])
+    refused = _plan(args + ["model=qwen3_8b", "train.features=hybrid"], capsys)["memory"]["feature_cache"]
+    assert refused["mode"] == "refused" and "config key 'train.features'" in refused["why"]
+    assert run_command("plan", args + ["model=qwen3_8b"]) == 0
+    line = [x for x in capsys.readouterr().out.splitlines() if x.startswith("feature cache:")]
+    assert len(line) == 1 and "train.features=auto -> online" in line[0] and "5 taps x 4096 x 2 bytes" in line[0]

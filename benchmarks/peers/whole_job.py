@@ -81,18 +81,20 @@ def timed(cmd: list[str], log: Path, env: dict | None = None) -> float:
     return time.monotonic() - t0
 
 
-def run_ours(root: Path, w: dict, args) -> dict:
+def run_ours(root: Path, w: dict, args, name: str = "ours", extra: tuple = ()) -> dict:
     """`dflash-ray train` on the regenerated conversations: prepare, plan, train, checkpoint, export."""
-    run = root / "ours"
+    run = root / name
     shutil.rmtree(run, ignore_errors=True)   # a rerun of the same run.name would resume, not train
     cmd = [str(OURS_BIN / "dflash-ray"), "train", *PRESET, f"data.input={w['regenerated']}", f"run.root={root}",
-           "run.name=ours", "model.compute_dtype=float32", "model.anchors_per_batch=null",
-           f"model.num_anchors={args.anchors_per_row}", f"train.epochs={args.epochs}", "train.heldout_every=0"]
-    seconds = timed(cmd, root / "ours.log", {"RAY_AUTH_MODE": "disabled"})
+           f"run.name={name}", "model.compute_dtype=float32", "model.anchors_per_batch=null",
+           f"model.num_anchors={args.anchors_per_row}", f"train.epochs={args.epochs}", "train.heldout_every=0", *extra]
+    seconds = timed(cmd, root / f"{name}.log", {"RAY_AUTH_MODE": "disabled"})
     s = json.loads((run / "summary.json").read_text())
     return {"trainer": "dflash-ray", "seconds": seconds, "steps": s["steps"], "context_tokens": s["tokens"],
             "block_tokens": s["block_tokens"], "final_loss": s["final_loss"], "drafter": s["export"],
             "phases": {p["phase"]: p["seconds"] for p in s.get("phases", []) if "phase" in p},
+            "features": s.get("features"), "feature_cache": s.get("feature_cache"),
+            "target_tokens": sum(t["tokens"] for t in (s.get("target_actors") or {}).values()),
             "command": " ".join(cmd)}
 
 
@@ -195,6 +197,25 @@ def run_specforge(root: Path, w: dict, shape: dict, args, rows_per_step: int) ->
             "command": f"SPECFORGE_DEVICE=cpu specforge train --config {config}"}
 
 
+def run_modelopt(root: Path, shape: dict, args, rows_per_step: int, dump_seconds: float) -> dict:
+    """Model Optimizer's DFlash drafter from the same feature dump (their offline input is the same tensors:
+    `base_model_outputs["aux_hidden_states"]`), trained and exported by modelopt_train.py in the peers' venv.
+    Its wall time counts the dump once more: a user of their path makes the dump for it."""
+    mo = root / "modelopt"
+    shutil.rmtree(mo, ignore_errors=True)
+    mo.mkdir(parents=True)
+    work = mo / "work.json"
+    work.write_text(json.dumps({"shape": shape, "features": str(root / "specforge" / "features"), "epochs": args.epochs,
+                                "rows_per_step": rows_per_step, "export": str(mo / "export")}))
+    log = root / "modelopt.log"
+    train_s = timed([str(PEERS_BIN / "python"), str(Path(__file__).with_name("modelopt_train.py")), "--work", str(work)], log)
+    r = json.loads([line for line in log.read_text().splitlines() if line.startswith("{")][-1])
+    return {"trainer": "Model Optimizer 0.47.0", "seconds": dump_seconds + train_s, "dump_seconds": dump_seconds,
+            "train_seconds": train_s, "steps": r["steps"], "context_tokens": r["context_tokens"],
+            "block_tokens": r["block_tokens"], "final_loss": r["final_loss"], "drafter": str(mo / "export"),
+            "command": f".peers-venv/bin/python benchmarks/peers/modelopt_train.py --work {work}"}
+
+
 def heldout_tau(drafters: dict, w: dict, max_prompts: int, max_new_tokens: int) -> dict:
     """The reference `dflash_generate` for every drafter on the same prompts; block_size=1 is its benchmark's
     baseline (plain greedy decoding), against which every output is checked."""
@@ -253,20 +274,25 @@ def main(argv=None) -> int:
     print(f"ours: {ours['seconds']:.0f} s, {ours['steps']} steps ({rows_per_step} rows a step on average)", flush=True)
     theirs = run_specforge(root, w, shape, args, rows_per_step)
     print(f"specforge: {theirs['seconds']:.0f} s", flush=True)
-    taus = heldout_tau({"dflash-ray": ours["drafter"], "SpecForge 0.2.0": theirs["drafter"]}, w,
-                       args.max_prompts, args.max_new_tokens)
+    nvidia = run_modelopt(root, shape, args, rows_per_step, theirs["dump_seconds"])
+    print(f"modelopt: {nvidia['seconds']:.0f} s", flush=True)
+    runs = [ours, theirs, nvidia]
+    taus = heldout_tau({r["trainer"]: r["drafter"] for r in runs}, w, args.max_prompts, args.max_new_tokens)
     print("\n| trainer | wall s to the same trained tokens | context tokens | trained block tokens | held-out tau "
           "| outputs equal to greedy |\n|---|---|---|---|---|---|")
-    for r in (ours, theirs):
+    for r in runs:
         t = taus[r["trainer"]]
         print(f"| {r['trainer']} | {r['seconds']:,.0f} | {r['context_tokens']:,} | {r['block_tokens']:,} "
               f"| {t['tau']:.3f} | {t['outputs_match_greedy']}/{t['prompts']} |")
     print(f"\nSpecForge's wall time: feature dump {theirs['dump_seconds']:.0f} s ({theirs['feature_bytes'] / 2**20:,.0f} MiB), "
           f"`specforge train` {theirs['train_seconds']:.0f} s, export {theirs['export_seconds']:.0f} s; "
           f"dflash-ray / SpecForge wall: {ours['seconds'] / theirs['seconds']:.2f}")
+    print(f"Model Optimizer's wall time: the same dump {nvidia['dump_seconds']:.0f} s, training and export "
+          f"{nvidia['train_seconds']:.0f} s ({nvidia['steps']} steps); dflash-ray / Model Optimizer wall: "
+          f"{ours['seconds'] / nvidia['seconds']:.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows_per_step": rows_per_step,
-                                               "runs": [ours, theirs], "tau": taus}, indent=1))
+                                               "runs": runs, "tau": taus}, indent=1))
     return 0
 
 

@@ -24,7 +24,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from dflash_ray.config import require
+from dflash_ray.config import compute_dtype, require
 from dflash_ray.data.prepare import options_from_config, prepare, template_kwargs
 from dflash_ray.data.shards import list_shards
 from dflash_ray.data.synthetic import train_tokenizer, write_corpus
@@ -160,7 +160,7 @@ def demo_world_entry(cfg):
             "regenerate": {k: cfg.regenerate[k] for k in ("max_new_tokens", "on_max_tokens", "batch_size")},
             "chat_template_kwargs": OmegaConf.to_container(d.chat_template_kwargs, resolve=True)
             if d.chat_template_kwargs is not None else None,
-            "compute_dtype": m.compute_dtype, "use_gpu": bool(cfg.cluster.use_gpu),
+            "compute_dtype": compute_dtype(cfg), "use_gpu": bool(cfg.cluster.use_gpu),
             "packages": {"torch": torch.__version__, "transformers": transformers.__version__,
                          "tokenizers": tokenizers.__version__}}
     root = Path(d.synthetic.cache_dir) if d.synthetic.cache_dir else cache_root() / "demo-worlds"
@@ -406,7 +406,7 @@ def _regenerate_demo(cfg, layout: RunLayout, target_path, log) -> tuple[str, int
         counts = regenerate(str(cfg.data.input), str(out), target_dir=str(target_path), tokenizer_dir=str(cfg.data.tokenizer),
                    cluster=OmegaConf.to_object(cfg.cluster), max_new_tokens=r.max_new_tokens,
                    batch_size=r.batch_size, on_max_tokens=r.on_max_tokens, template_kwargs=template_kwargs(cfg),
-                   dtype=cfg.model.compute_dtype, log=log)
+                   dtype=compute_dtype(cfg), log=log)
         done.touch()
         generated = counts.get("generated tokens")
     return str(out), generated

@@ -21,7 +21,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from dflash_ray.config import ClusterConfig, TrainConfig, compute_dtype, require
+from dflash_ray.config import ClusterConfig, TrainConfig, compute_dtype_why, require
 from dflash_ray.data.plan import Plan, PlanSpec, batch_anchor_cap, build_plan
 from dflash_ray.errors import UserError
 from dflash_ray.model.drafter import DrafterConfig
@@ -180,6 +180,9 @@ def resolve_spec(cfg, log=print, *, inputs: bool = True, record: bool = True) ->
         scan = scan_shards(cfg.data.shards, target_vocab, contents=first,
                            hint=f" of the target at {target_path}: were the shards prepared with another tokenizer?")
     mask_id = m.mask_token_id if m.mask_token_id is not None else default_mask_token_id(target_vocab, tok)
+    dtype, why = compute_dtype_why(cfg)
+    if inputs:
+        log(f"compute dtype: {dtype} ({why})")
     drafter = DrafterConfig(num_draft_layers=m.num_draft_layers, block_size=m.block_size,
                             num_anchors=m.num_anchors, target_layer_ids=tuple(layer_ids),
                             loss_gamma=None if m.loss_gamma is None else m.loss_gamma,
@@ -203,7 +206,7 @@ def resolve_spec(cfg, log=print, *, inputs: bool = True, record: bool = True) ->
         chat_template_kwargs=OmegaConf.to_container(d.chat_template_kwargs) if d.chat_template_kwargs else None,
         init_from=init_from,
         target_hidden_size=int(getattr(tcfg, "hidden_size", 0) or 0),
-        compute_dtype=compute_dtype(cfg))
+        compute_dtype=dtype)
     if record:
         check_run_inputs(spec, tcfg, scan, log=log)
     if scan is not None:
