@@ -290,3 +290,67 @@ def test_read_done_cuts_a_torn_last_line_and_keeps_whole_rows(tmp_path):
     with pytest.raises(UserError, match=r"out.jsonl: line 2: not a JSON row"):
         read_done(out)
     assert read_done(tmp_path / "absent.jsonl") == (set(), {})
+
+
+def loop_length(tokens, min_span, max_period):
+    """The spec, written out: the first length t at which tokens[:t] ends in a loop (its last n = max(3p,
+    min_span) tokens periodic with a period p <= max_period), None if it never does."""
+    for t in range(1, len(tokens) + 1):
+        for p in range(1, max_period + 1):
+            n = max(3 * p, min_span)
+            if n <= t and all(tokens[t - n + i] == tokens[t - n + i + p] for i in range(n - p)):
+                return t
+    return None
+
+
+def test_greedy_loops_stop_early_and_are_dropped_counted_every_kept_turn_is_greedy(world, tmp_path):
+    """With on_max_tokens=drop, a row whose tail loops stops there and its turn is dropped (counted, its
+    tokens up to the loop counted); every other turn is what it was: the greedy answer through its end token,
+    or dropped at the cap. The random target ends few turns, so it also declares the token its greedy answers
+    use most as an end token (generation_config, as Qwen3 declares two): some turns end, some loop."""
+    import shutil
+    from collections import Counter as Count
+
+    root, tokdir, target, tok = world
+    span, period, cap = 6, 8, 40
+    prompts = [[{"role": "user", "content": f"Recite {w} for {n} words."}]
+               for w in ("alpha", "nu", "red", "kappa", "gamma", "omega") for n in (3, 7)]
+    answers = [greedy_tokens(tok, target, p, cap) for p in prompts]
+    loops = [loop_length(a, span, period) for a in answers]
+    assert any(loops), "the random target should loop on some of these prompts"
+    # the end token: the commonest one of the answers that does not appear before a loop's end in any
+    seen = {t for a, n in zip(answers, loops) if n for t in a[:n]}
+    frequent = Count(t for a in answers for t in set(a) if t not in seen).most_common(1)[0][0]
+    ends = [tok.eos_token_id, frequent]
+    declared = tmp_path / "target"
+    shutil.copytree(target, declared)
+    (declared / "generation_config.json").write_text(json.dumps({"eos_token_id": ends}))
+    # each turn's fate by the independent greedy loop and the spec above
+    fates, generated = [], 0
+    for ids in answers:
+        stop = next((k for k, t in enumerate(ids) if t in ends), None)
+        t = loop_length(ids if stop is None else ids[:stop + 1], span, period)
+        if t is not None and (stop is None or t <= stop):
+            fates.append("loop")
+            generated += t
+        else:
+            fates.append("capped" if stop is None else "kept")
+            generated += cap if stop is None else stop + 1
+    assert {"loop", "kept"} <= set(fates), fates
+    convs = [p + [{"role": "assistant", "content": "x"}] for p in prompts]
+    regen = Regenerator(str(declared), Rendering(tok), max_new_tokens=cap, batch_size=4, loop_min_span=span,
+                        loop_max_period=period)
+    out, counts = regen(convs)
+    assert counts["turns dropped: a greedy loop"] == fates.count("loop")
+    assert counts["turns dropped: hit max_new_tokens"] == fates.count("capped")
+    assert counts["generated tokens"] == generated     # a looping row counts the tokens up to its loop only
+    for got, fate, conv, ids in zip(out, fates, convs, answers):
+        if fate == "kept":   # the greedy answer, token for token, as without loop stopping
+            stop = next(k for k, t in enumerate(ids) if t in ends)
+            assert got == conv[:1] + [{"role": "assistant", "content": tok.decode(ids[:stop])}]
+        else:
+            assert got is None
+    # on_max_tokens=keep (the demo's): nothing stops early, the looping turns run to the cap and are kept
+    out, counts = Regenerator(str(declared), Rendering(tok), max_new_tokens=cap, batch_size=4, on_max_tokens="keep",
+                              loop_min_span=span, loop_max_period=period)(convs)
+    assert "turns dropped: a greedy loop" not in counts and all(o is not None for o in out)

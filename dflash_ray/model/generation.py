@@ -13,11 +13,18 @@ or at `max_new_tokens`. The answer is decoded from exactly the generated ids bef
 stored as the message whose supervision in `prepare` is exactly that text and its end token
 (Rendering.assistant_message).
 
+Greedy loops: a small target's greedy answer often repeats itself until the cap (SmolLM2-135M: 268 of 1,476
+turns), and a batch runs to its longest row, so those rows held the batch to the cap. With
+on_max_tokens="drop" (such a turn would be dropped at the cap anyway), a row whose generated tail is periodic
+(the last max(3p, `loop_min_span`) tokens repeat with a period p <= `loop_max_period`) stops there, and its
+turn is dropped as a greedy loop, counted. A turn that ends with an end token before its tail ever repeats
+so is unchanged: token for token the greedy answer. With "keep" nothing is stopped early.
+
 A conversation ends early, its turns so far kept (counted by reason; dropped whole when no assistant turn is
 left): at a turn that hit the cap (on_max_tokens="drop"; "keep" keeps it, without an end token, and goes
-on), at a turn the template cannot render as generated, at a prompt longer than the target's context, and
-after the first turn where the target calls a tool or the recorded conversation goes on with tool
-results (the recorded results no longer answer what the target did). Problems are counted, never raised.
+on), at a greedy loop (with "drop"), at a turn the template cannot render as generated, at a prompt longer
+than the target's context, and after the first turn where the target calls a tool or the recorded
+conversation goes on with tool results (the recorded results no longer answer what the target did). Problems are counted, never raised.
 """
 from __future__ import annotations
 
@@ -28,6 +35,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from transformers import StoppingCriteria
 
 TRAINED_MARKER = "dflash_demo_training.json"
 
@@ -87,6 +95,33 @@ def train_causal_lm(model_dir: str, sequences: list[list[int]], *, steps: int, l
 
 
 ON_MAX_TOKENS = ("drop", "keep")
+LOOP_MIN_SPAN = 32      # tokens a loop must fill before it stops a row: no sentence of real text repeats so
+LOOP_MAX_PERIOD = 64    # the longest repeated unit looked for (a sentence or two)
+
+
+class LoopStop(StoppingCriteria):
+    """A transformers stopping criterion: per row, whether the tokens generated so far (after `start`) end in
+    a loop, the last n = max(3p, min_span) of them periodic with a period p <= max_period. Records the length
+    at which each row was first found looping (`first`), since generate goes on calling it on finished rows."""
+
+    def __init__(self, start: int, rows: int, min_span: int = LOOP_MIN_SPAN, max_period: int = LOOP_MAX_PERIOD):
+        self.start, self.min_span, self.max_period = start, min_span, max_period
+        self.first: list[int | None] = [None] * rows
+
+    def __call__(self, input_ids: torch.Tensor, scores=None, **kwargs) -> torch.Tensor:
+        gen = input_ids[:, self.start:]
+        t = gen.shape[1]
+        looping = torch.zeros(gen.shape[0], dtype=torch.bool, device=gen.device)
+        for p in range(1, self.max_period + 1):
+            n = max(3 * p, self.min_span)
+            if n > t:   # n grows with p: no longer period fits yet
+                break
+            tail = gen[:, -n:]
+            looping |= (tail[:, p:] == tail[:, :-p]).all(dim=1)
+        for r in torch.nonzero(looping).flatten().tolist():
+            if self.first[r] is None:
+                self.first[r] = t
+        return looping
 
 
 def end_token_ids(tok, model) -> list[int]:
@@ -118,7 +153,8 @@ class Regenerator:
     """Regenerates conversations with a target (greedy, batched). Reused across batches of a job."""
 
     def __init__(self, target_dir: str, rendering, *, max_new_tokens: int, batch_size: int = 32,
-                 on_max_tokens: str = "drop", device: str | torch.device = "cpu", dtype: torch.dtype | None = None):
+                 on_max_tokens: str = "drop", device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+                 loop_min_span: int = LOOP_MIN_SPAN, loop_max_period: int = LOOP_MAX_PERIOD):
         from dflash_ray.model.target import load_target
 
         if on_max_tokens not in ON_MAX_TOKENS:
@@ -128,6 +164,8 @@ class Regenerator:
         self.model = load_target(target_dir, device=self.device, dtype=dtype)
         self.max_new_tokens, self.batch_size = int(max_new_tokens), int(batch_size)
         self.on_max_tokens = on_max_tokens
+        # see the module's doc; loop_max_period=0: loops run to the cap
+        self.loops = (loop_min_span, loop_max_period) if on_max_tokens == "drop" and loop_max_period > 0 else None
         self.max_context = int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
         self.ends = end_token_ids(self.tok, self.model)
         self.end_texts = tuple(self.tok.decode([t]) for t in self.ends)
@@ -193,6 +231,10 @@ class Regenerator:
         return out, counts
 
     def _add_turn(self, i, text, stopped, capped_by, history, pending, tools, counts, finish) -> None:
+        if capped_by == "a greedy loop":
+            counts["turns dropped: a greedy loop"] += 1
+            finish(i, history[i], early=True)
+            return
         if not stopped:
             counts[f"hit {capped_by}"] += 1
             if self.on_max_tokens == "drop":
@@ -221,7 +263,7 @@ class Regenerator:
         """(text, stopped at an end token, what capped it: 'max_new_tokens' or 'the target's context') per
         prompt, and the tokens generated (end tokens included); text is decoded from exactly the ids
         generated before the end token."""
-        from transformers import GenerationConfig
+        from transformers import GenerationConfig, StoppingCriteriaList
 
         width = max(len(p) for p in prompts)
         pad = self.tok.pad_token_id if self.tok.pad_token_id is not None else self.ends[0]
@@ -234,11 +276,17 @@ class Regenerator:
         capped_by = "max_new_tokens" if new == self.max_new_tokens else "the target's context"
         # a config of its own: greedy, whatever sampling the model's generation_config suggests
         config = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=self.ends, pad_token_id=pad)
-        gen = self.model.generate(ids.to(self.device), attention_mask=attn.to(self.device),
-                                  generation_config=config)[:, width:].tolist()
+        loops = LoopStop(width, len(prompts), *self.loops) if self.loops else None
+        gen = self.model.generate(ids.to(self.device), attention_mask=attn.to(self.device), generation_config=config,
+                                  stopping_criteria=StoppingCriteriaList([loops]) if loops else None)[:, width:].tolist()
         ends, results, generated = set(self.ends), [], 0
-        for row in gen:
+        for r, row in enumerate(gen):
             stop = next((k for k, t in enumerate(row) if t in ends), None)
+            looped = loops.first[r] if loops else None
+            if looped is not None and (stop is None or looped <= stop):   # (found after an end token: padding)
+                results.append(("", False, "a greedy loop"))
+                generated += looped
+                continue
             # a row that never stopped generated `new` tokens: generate pads only after a row's end token
             body = row if stop is None else row[:stop]
             results.append((self.tok.decode(body), stop is not None, capped_by))
