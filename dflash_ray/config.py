@@ -205,6 +205,9 @@ class PlanConfig:
 class EvalConfig:                    # prompts rendered with data.chat_template_kwargs, as prepare renders
     max_new_tokens: int = 64         # tokens generated per prompt (`dflash-ray eval`, the held-out tau)
     max_prompts: int = 32            # prompts of data.prompts evaluated at most
+    # the held-out evaluations during training (train.heldout_every) measure the first N of those prompts, the
+    # final one all of them (null: all): on a CPU an evaluation shares the cores with training
+    during_training_prompts: Optional[int] = None
 
 
 @dataclass
@@ -250,7 +253,7 @@ MINIMUM = {"model.block_size": 2, "model.num_draft_layers": 1, "model.num_anchor
            "train.checkpoint_every": 0, "train.checkpoint_every_minutes": 0.0, "train.num_to_keep": 1,
            "train.max_failures": 0, "train.stream_segment_blocks": 0, "train.max_nonfinite_steps": 0,
            "train.heldout_every": 0,
-           "eval.max_new_tokens": 1, "regenerate.max_new_tokens": 1, "regenerate.batch_size": 1}
+           "eval.max_new_tokens": 1, "eval.during_training_prompts": 1, "regenerate.max_new_tokens": 1, "regenerate.batch_size": 1}
 # what the least value means, where it means more than a number (said with the minimum)
 AT_LEAST = {"data.attention_tokens": "0: no attention term", "cluster.stream_block_mb": "0: one plan batch a block",
             "train.stream_segment_blocks": "0: one stream for the whole run", "train.max_nonfinite_steps": "0: never stop"}

@@ -16,7 +16,7 @@ from helpers_model import reference_acceptance_lengths
 
 # The default world, 4 of the default's 10 epochs (208 steps). Measured on the 2-core machine: fresh drafter
 # 1.00, trained 2.77 (the full default reaches 4.45). The floor sits well above 1 and below the measured value.
-SHORT_DEMO = ["train.epochs=4"]
+SHORT_DEMO = ["train.epochs=4", "eval.during_training_prompts=4"]   # the evaluations beside training on 4
 TAU_FLOOR = 2.0
 PROMPTS = 16   # data.synthetic.heldout_prompts, the default's
 
@@ -86,6 +86,8 @@ def test_heldout_tau_during_training_keeps_the_best_drafter(demo):
     assert [e["step"] for e in during] == list(range(100, s["steps"] + 1, 100))
     evals = [json.loads(line) for line in (Path(spec.run_dir) / "evals.jsonl").read_text().splitlines()]
     assert [(e["step"], e["tau"]) for e in evals] == [(e["step"], e["tau"]) for e in during]
+    # on the first eval.during_training_prompts of the prompts; the final tau on all of them (the first test)
+    assert all(e["prompts"] == 4 for e in evals) and s["heldout_tau"]["trained"]["prompts"] == PROMPTS
     # each with the context tokens trained through its step (metrics.jsonl: one line a step in this run)
     metrics = [json.loads(line) for line in (Path(spec.run_dir) / "metrics.jsonl").read_text().splitlines()]
     assert [e["target_tokens"] for e in during] == [sum(m["tokens"] for m in metrics if m["step"] <= e["step"])

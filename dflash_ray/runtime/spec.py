@@ -47,6 +47,7 @@ class RunSpec:
     heldout: str | None = None      # held-out prompts (.jsonl) for tau after training; None: not measured
     heldout_max_new_tokens: int = 64
     heldout_max_prompts: int = 1 << 30   # eval.max_prompts: the held-out prompts measured at most
+    heldout_training_prompts: int | None = None   # eval.during_training_prompts: the in-training evaluations' (None: all)
     chat_template_kwargs: dict | None = None   # data.chat_template_kwargs: conversation prompts rendered as served
     namespace: str = "dflash"
     init_from: str | None = None    # an exported drafter the run starts from at step 0 (checked against the run)
@@ -203,6 +204,7 @@ def resolve_spec(cfg, log=print, *, inputs: bool = True, record: bool = True) ->
         plan=PlanSpec.from_config(cfg), drafter=drafter, train=train, cluster=OmegaConf.to_object(cfg.cluster),
         coordinator=coordinator_name(cfg.run.name), heldout=heldout,
         heldout_max_new_tokens=cfg.eval.max_new_tokens, heldout_max_prompts=cfg.eval.max_prompts,
+        heldout_training_prompts=cfg.eval.during_training_prompts,
         chat_template_kwargs=OmegaConf.to_container(d.chat_template_kwargs) if d.chat_template_kwargs else None,
         init_from=init_from,
         target_hidden_size=int(getattr(tcfg, "hidden_size", 0) or 0),

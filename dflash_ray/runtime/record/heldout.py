@@ -8,15 +8,17 @@ import tempfile
 from dflash_ray.threads import use_threads
 
 
-def heldout_prompts(run_spec) -> tuple[list, list | None]:
-    """The run's held-out prompts as token ids, and the token ids decoding stops at (read where the
-    prompts file is: the driver's node)."""
+def heldout_prompts(run_spec, during_training: bool = False) -> tuple[list, list | None]:
+    """The run's held-out prompts as token ids (the first eval.during_training_prompts of them for an evaluation
+    during training), and the token ids decoding stops at (read where the prompts file is: the driver's node)."""
     from dflash_ray.data.prompts import find_tokenizer, read_prompts
     from dflash_ray.model.generation import declared_end_token_ids
 
     tok = find_tokenizer(run_spec.tokenizer, run_spec.target_path)
-    prompts = read_prompts(run_spec.heldout, tok, limit=run_spec.heldout_max_prompts,
-                           template_kwargs=run_spec.chat_template_kwargs)
+    limit = run_spec.heldout_max_prompts
+    if during_training and run_spec.heldout_training_prompts is not None:
+        limit = min(limit, run_spec.heldout_training_prompts)
+    prompts = read_prompts(run_spec.heldout, tok, limit=limit, template_kwargs=run_spec.chat_template_kwargs)
     return prompts, declared_end_token_ids(tok, run_spec.target_path)
 
 
@@ -51,7 +53,7 @@ def heldout_tau_of_weights(run_spec, weights: dict, out_dir: str, greedy: dict |
     drafter = build_run_drafter(run_spec, torch.device("cpu"))
     drafter.load_state_dict(weights, strict=True)
     export_drafter(drafter, out_dir)
-    r = heldout_tau(run_spec, out_dir, greedy=greedy)
+    r = heldout_tau(run_spec, out_dir, heldout_prompts(run_spec, during_training=True), greedy=greedy)
     return {k: r[k] for k in ("tau", "prompts", "outputs_match_greedy", "greedy_reference")}
 
 
