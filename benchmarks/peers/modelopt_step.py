@@ -5,7 +5,8 @@ benchmarks/peers/step_loop.py writes and prints one JSON line.
 Their offline path through their Python API: the target (SmolLM2, from the converted directory the work file
 names) converted with `mtsp.convert(model, [("dflash", cfg)])` and `dflash_offline=True` (their conversion
 drops the target's layers; the features come as `base_model_outputs["aux_hidden_states"]`), the decayed
-hard-label objective (`dflash_loss_objective="decay"`, factor = gamma), then what their HF-Trainer recipe runs
+hard-label objective (`dflash_loss_objective="decay"`, factor = gamma), as modelopt_train.offline_model
+builds it for the whole job, then what their HF-Trainer recipe runs
 around it: `loss.backward()`, gradient clipping, torch's AdamW, warmup + cosine (transformers' schedule).
 Their HF-Trainer script is not in the wheel and their recipe asks for bf16/tf32, which `TrainingArguments`
 refuses on CPUs: the loop here is plain torch, fp32, one thread.
@@ -27,24 +28,13 @@ logging.disable(logging.WARNING)
 def main() -> None:
     args = peer_args()
     torch.set_num_threads(1)
-    import modelopt.torch.speculative as mtsp
-    from transformers import AutoModelForCausalLM, get_cosine_schedule_with_warmup
+    from transformers import get_cosine_schedule_with_warmup
+
+    from modelopt_train import offline_model
 
     w = torch.load(args.work, weights_only=False)
     s = w["shape"]
-    model = AutoModelForCausalLM.from_pretrained(w["target_dir"], dtype=torch.float32)
-    model.config.num_orig_hidden_layers = s["target_layers"]   # what their offline data preparation records
-    arch = {"num_hidden_layers": s["draft_layers"], "hidden_size": s["hidden"],
-            "intermediate_size": s["intermediate"], "num_attention_heads": s["heads"],
-            "num_key_value_heads": s["kv_heads"], "head_dim": s["head_dim"], "target_layer_ids": list(s["taps"]),
-            "_attn_implementation": "sdpa"}
-    torch.manual_seed(s["seed"])
-    mtsp.convert(model, [("dflash", {"dflash_offline": True, "dflash_block_size": s["block"],
-                                     "dflash_num_anchors": s["anchors_per_row"],
-                                     "dflash_mask_token_id": s["mask_token_id"],
-                                     "dflash_loss_objective": "decay", "dflash_loss_decay_factor": s["loss_gamma"],
-                                     "dflash_self_logit_distillation": False,
-                                     "dflash_architecture_config": arch})])
+    model = offline_model(w["target_dir"], s)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     total = args.steps + args.warmup

@@ -57,19 +57,14 @@ def padded(samples: list[dict], multiple: int) -> tuple[torch.Tensor, torch.Tens
     return ids, mask, hidden
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--work", required=True)
-    work = json.loads(Path(ap.parse_args().work).read_text())
-    s = work["shape"]
-    torch.set_num_threads(os.cpu_count() or 1)
+def offline_model(target_dir: str, s: dict):
+    """The target converted to their offline DFlash model (the target's layers dropped; features come as
+    `base_model_outputs`): the shape, taps and loss of `s` (step_loop.preset_shape), the decayed hard labels,
+    the target's RoPE base and RMSNorm epsilon passed explicitly (see the module's doc), and checked."""
     import modelopt.torch.speculative as mtsp
-    from transformers import AutoModelForCausalLM, get_cosine_schedule_with_warmup
+    from transformers import AutoModelForCausalLM
 
-    t0 = time.monotonic()
-    samples = load_dump(Path(work["features"]))
-    load_s = time.monotonic() - t0
-    model = AutoModelForCausalLM.from_pretrained(s["target_dir"], dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.float32)
     model.config.num_orig_hidden_layers = s["target_layers"]   # what their offline data preparation records
     arch = {"num_hidden_layers": s["draft_layers"], "hidden_size": s["hidden"],
             "intermediate_size": s["intermediate"], "num_attention_heads": s["heads"],
@@ -84,6 +79,21 @@ def main() -> None:
                                      "dflash_architecture_config": arch})])
     draft_rope = float(model.dflash_config.rope_parameters["rope_theta"])
     assert draft_rope == s["rope_theta"], f"the draft trains at RoPE base {draft_rope}, the target's is {s['rope_theta']}"
+    return model
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--work", required=True)
+    work = json.loads(Path(ap.parse_args().work).read_text())
+    s = work["shape"]
+    torch.set_num_threads(os.cpu_count() or 1)
+    from transformers import get_cosine_schedule_with_warmup
+
+    t0 = time.monotonic()
+    samples = load_dump(Path(work["features"]))
+    load_s = time.monotonic() - t0
+    model = offline_model(s["target_dir"], s)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
     rows, epochs = work["rows_per_step"], work["epochs"]
