@@ -62,7 +62,7 @@ def main(argv=None) -> int:
         rate = statistics.median(r["block_tokens"] / r["phases"]["training"] for r in rs)
         med[name] = rate
         print(f"| {name} | {', '.join(f'{s:.0f}' for s in secs)} | {rate:,.0f} | {rs[0]['steps']} "
-              f"| {', '.join(f'{r['final_loss']:.4f}' for r in rs)} |")
+              f"| {', '.join(format(r['final_loss'], '.4f') for r in rs)} |")
     a, b = med.values()
     print(f"\n1 worker x 2 threads / 2 workers x 1 thread: {b / a:.2f}x block tokens/s "
           f"({args.epochs} cached epoch(s), {args.repeats} runs each, alternating)")
