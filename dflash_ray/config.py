@@ -187,6 +187,11 @@ class TrainConfig:
     features: str = "online"
     feature_cache_dir: Optional[str] = None   # node-local (null: $DFLASH_RAY_CACHE/features, ~/.cache/dflash-ray)
     feature_cache_gb: float = 64.0            # the cache's disk budget per node: over it, a run stays online
+    # the drafter's label: ce (the next token, hard) | distill (the target's next-token distribution, its
+    # top-k renormalised, computed by the target actors beside the features and cached with them)
+    loss: str = "ce"
+    distill_top_k: int = 8           # distill: the target's most likely tokens kept per position
+    distill_hard_weight: float = 0.0  # distill: the hard label's share of each slot's label (0: pure distillation)
 
 
 @dataclass
@@ -238,7 +243,7 @@ class RootConfig:
 CHOICES = {"data.overlong": ("truncate", "drop"), "data.format": FORMATS, "data.on_bad_row": ON_BAD_ROW,
            "data.turns": ("all", "last"), "data.prepare_engine": ("local", "ray"), "data.interleave": STRATEGIES,
            "train.checkpoint_upload": ("async", "sync"), "train.parallelism": ("auto", "ddp", "fsdp"),
-           "train.features": ("auto", "online", "hybrid"), "regenerate.on_max_tokens": ("drop", "keep"),
+           "train.features": ("auto", "online", "hybrid"), "train.loss": ("ce", "distill"), "regenerate.on_max_tokens": ("drop", "keep"),
            "data.synthetic.corpus": ("walks", "instructions"), "model.compute_dtype": (None, "bfloat16", "float32")}
 MINIMUM = {"model.block_size": 2, "model.num_draft_layers": 1, "model.num_anchors": 1, "model.anchors_per_batch": 1,
            "model.max_block_tokens_per_batch": 1,
@@ -252,7 +257,7 @@ MINIMUM = {"model.block_size": 2, "model.num_draft_layers": 1, "model.num_anchor
            "data.heldout_fraction": 0.0, "train.epochs": 1, "train.lr": 0.0, "train.warmup_ratio": 0.0, "train.grad_accum": 1,
            "train.checkpoint_every": 0, "train.checkpoint_every_minutes": 0.0, "train.num_to_keep": 1,
            "train.max_failures": 0, "train.stream_segment_blocks": 0, "train.max_nonfinite_steps": 0,
-           "train.heldout_every": 0,
+           "train.heldout_every": 0, "train.distill_top_k": 1, "train.distill_hard_weight": 0.0,
            "eval.max_new_tokens": 1, "eval.during_training_prompts": 1, "regenerate.max_new_tokens": 1, "regenerate.batch_size": 1}
 # what the least value means, where it means more than a number (said with the minimum)
 AT_LEAST = {"data.attention_tokens": "0: no attention term", "cluster.stream_block_mb": "0: one plan batch a block",
@@ -422,6 +427,12 @@ def _check_rules(cfg: DictConfig) -> None:
     if cfg.data.heldout_fraction >= 1:
         raise UserError(f"config key 'data.heldout_fraction': {cfg.data.heldout_fraction} would hold out every "
                         "conversation (a share below 1; 0: none)")
+    if t.distill_hard_weight > 1:
+        raise UserError(f"config key 'train.distill_hard_weight': {t.distill_hard_weight} is the hard label's share "
+                        "of each label, between 0 and 1")
+    if t.loss == "distill" and c.target_gpus_per_replica > 1:
+        raise UserError("config key 'train.loss': distill needs each target replica in one process "
+                        "(cluster.target_gpus_per_replica 1): the soft labels come from the target's head")
     if not t.checkpoint_every and not t.checkpoint_every_minutes:
         raise UserError("config key 'train.checkpoint_every_minutes': checkpoints are off (it and "
                         "train.checkpoint_every are both 0/null): set one of them (a restart would retrain "

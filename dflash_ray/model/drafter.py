@@ -25,7 +25,7 @@ from dflash_ray.sizing.memory import text_config
 
 from .attention import training_mask
 from .layers import DrafterLayer, RMSNorm
-from .loss import LossOutput, chunked_head_ce, default_gamma, slot_weights
+from .loss import LossOutput, chunked_head_ce, default_gamma, mix_soft_labels, slot_weights
 from .target import default_mask_token_id, default_target_layer_ids
 
 # Qwen3 fields the drafter copies from its target (the drafter has the target's width, not its depth).
@@ -272,10 +272,15 @@ class DFlashDrafter(nn.Module):
                 x = layer(x, ctx_h, ctx_cos, ctx_sin, cos, sin, mask)
         return self.norm(x).view(bsz, n, bs, -1)
 
-    def block_loss(self, hidden, input_ids, loss_mask, lengths, anchors, valid) -> LossOutput:
+    def block_loss(self, hidden, input_ids, loss_mask, lengths, anchors, valid, soft_labels=None,
+                   hard_weight: float = 0.0) -> LossOutput:
         """Weighted CE of slots 1..B-1 against x[a+k], supervised where the anchor is valid and every slot
         1..k is inside the sequence and supervised: inference never drafts across the end of a turn, so
-        a slot after an unsupervised one (a user turn inside the block) is not trained either."""
+        a slot after an unsupervised one (a user turn inside the block) is not trained either.
+
+        soft_labels (distillation): (ids [B, S, K], probs [B, S, K]), the target's top-k next-token
+        distribution at each position; slot k of anchor a learns the one at position a+k-1 (the target's
+        prediction of x[a+k]), mixed with the hard label x[a+k] by `hard_weight` (loss.mix_soft_labels)."""
         bsz, seq = input_ids.shape
         k = torch.arange(1, self.block_size, device=input_ids.device)
         tgt = anchors[:, :, None] + k                                     # [B, N, B-1]
@@ -287,7 +292,16 @@ class DFlashDrafter(nn.Module):
         w = slot_weights(self.block_size, self.loss_gamma).to(hidden.device).expand_as(tgt)
 
         rows = hidden[:, :, 1:, :][sup]                                    # [M, H], supervised slots only
-        loss_sum, correct = chunked_head_ce(rows, self.head_weight, labels[sup], w[sup], self.ce_chunk_rows)
+        soft_ids = soft_probs = None
+        if soft_labels is not None:
+            top_ids, top_probs = soft_labels
+            kk = top_ids.shape[-1]
+            src = (tgt_c - 1)[:, :, None].expand(-1, -1, kk)               # the position predicting x[a+k]
+            soft_ids = top_ids.gather(1, src).view(*tgt.shape, kk)[sup]
+            soft_probs = top_probs.gather(1, src).view(*tgt.shape, kk)[sup]
+            soft_ids, soft_probs = mix_soft_labels(soft_ids, soft_probs, labels[sup], hard_weight)
+        loss_sum, correct = chunked_head_ce(rows, self.head_weight, labels[sup], w[sup], self.ce_chunk_rows,
+                                            soft_ids, soft_probs)
         hit = torch.zeros_like(sup)
         hit[sup] = correct
         return LossOutput(
@@ -299,16 +313,18 @@ class DFlashDrafter(nn.Module):
             num_blocks=sup[:, :, 0].sum(),
         )
 
-    def training_loss(self, input_ids, loss_mask, context, lengths, generator: torch.Generator) -> LossOutput:
+    def training_loss(self, input_ids, loss_mask, context, lengths, generator: torch.Generator,
+                      soft_labels=None, hard_weight: float = 0.0) -> LossOutput:
         """One training forward: sample anchors from `generator`, run all blocks, return the loss parts.
-        input_ids/loss_mask [B, S] right-padded, context [B, S, n*H], lengths [B]."""
+        input_ids/loss_mask [B, S] right-padded, context [B, S, n*H], lengths [B]; soft_labels and
+        hard_weight: distillation's labels (block_loss)."""
         anchors, valid = self.sample_anchors(loss_mask, lengths, generator)
         # the mask hides padded context positions, but a masked key still adds 0 x value: zero them so a
         # NaN or inf in the padding cannot reach the loss
         padded = torch.arange(input_ids.shape[1], device=context.device)[None] >= lengths.to(context.device)[:, None]
         context = context.masked_fill(padded[..., None], 0)
         hidden = self(input_ids, context, anchors)
-        return self.block_loss(hidden, input_ids, loss_mask, lengths, anchors, valid)
+        return self.block_loss(hidden, input_ids, loss_mask, lengths, anchors, valid, soft_labels, hard_weight)
 
     # ------------------------------------------------------------------ inference (one sequence)
     def new_cache(self) -> DraftContextCache:

@@ -5,6 +5,12 @@ matter more because acceptance stops at the first miss. The [positions x vocab] 
 512 anchors x 15 slots x 151,936 vocab in fp32 would be 4.7 GB per sample. `ChunkedHeadCE` computes logits
 chunk by chunk and, because the head is frozen, the gradient w.r.t. the hidden states in the same pass,
 keeping only that gradient ([M, H]) for backward: two head matmuls per chunk, no logits stored.
+
+Distillation (`train.loss=distill`): the label of a slot is a distribution instead of one token, the target's
+own next-token distribution at that position carried as its top-k (ids, probabilities renormalised over the
+k), optionally mixed with the hard label. The loss is linear in the label's distribution, so a mix is one
+label of k + 1 entries (`soft_labels`): CE against a soft label p is sum_j p_j (logsumexp - logit_j), its
+gradient softmax * sum(p) - p, in the same pass and memory as the hard CE.
 """
 from __future__ import annotations
 
@@ -71,11 +77,14 @@ class LossOutput:
 
 class ChunkedHeadCE(torch.autograd.Function):
     """sum_i w_i * CE(hidden_i @ head^T, label_i) over rows, in row chunks; the head gets no gradient.
+    With `soft_ids`/`soft_probs` [M, K] the label of row i is the distribution putting soft_probs[i, j] on
+    token soft_ids[i, j] (CE against it: sum_j p_ij (logsumexp_i - logit_i[id_ij])); `labels` then only
+    decide `correct`.
 
     Returns (loss_sum, correct[M]). Backward returns the gradient computed in forward, scaled."""
 
     @staticmethod
-    def forward(ctx, hidden, head, labels, weights, chunk_rows):
+    def forward(ctx, hidden, head, labels, weights, chunk_rows, soft_ids=None, soft_probs=None):
         needs_grad = ctx.needs_input_grad[0]
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         correct = torch.empty(hidden.shape[0], dtype=torch.bool, device=hidden.device)
@@ -92,14 +101,19 @@ class ChunkedHeadCE(torch.autograd.Function):
             # argmax, first index on ties), one exp in place, one sum; the log-sum-exp from those
             top, top_idx = logits.max(dim=-1)
             correct[lo:hi] = top_idx == lbl
-            picked = logits.gather(1, lbl[:, None])[:, 0]
+            if soft_ids is None:
+                ids, p = lbl[:, None], torch.ones(hi - lo, 1, device=logits.device)
+            else:
+                ids, p = soft_ids[lo:hi], soft_probs[lo:hi].float()
+            mass = p.sum(dim=-1)
+            picked = (p * logits.gather(1, ids)).sum(dim=-1)
             exps = logits.sub_(top[:, None]).exp_()
             total = exps.sum(dim=-1)
-            loss += (w * (top + total.log() - picked)).sum()
+            loss += (w * (mass * (top + total.log()) - picked)).sum()
             if needs_grad:
-                # d CE / d logits = softmax - onehot, scaled by the row weight; in place to save memory.
-                probs = exps.mul_((w / total)[:, None])
-                probs[torch.arange(hi - lo, device=probs.device), lbl] -= w
+                # d CE / d logits = softmax * mass - label, scaled by the row weight; in place to save memory.
+                probs = exps.mul_((w * mass / total)[:, None])
+                probs.scatter_add_(1, ids, -(w[:, None] * p))
                 grad[lo:hi] = (probs.to(head.dtype) @ head).to(hidden.dtype)
         if needs_grad:
             ctx.save_for_backward(grad)
@@ -109,20 +123,38 @@ class ChunkedHeadCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_loss, _grad_correct):
         (grad,) = ctx.saved_tensors
-        return grad * grad_loss.to(grad.dtype), None, None, None, None
+        return grad * grad_loss.to(grad.dtype), None, None, None, None, None, None
 
 
-def chunked_head_ce(hidden, head, labels, weights, chunk_rows: int = 1024):
-    """hidden [M, H], head [V, H] (frozen), labels [M], weights [M] -> (loss_sum, correct [M])."""
+def chunked_head_ce(hidden, head, labels, weights, chunk_rows: int = 1024, soft_ids=None, soft_probs=None):
+    """hidden [M, H], head [V, H] (frozen), labels [M], weights [M] -> (loss_sum, correct [M]); with
+    soft_ids/soft_probs [M, K] the rows' labels are those distributions (ChunkedHeadCE)."""
     if hidden.shape[0] == 0:
         zero = hidden.sum() * 0.0  # keeps the graph connected so DDP sees every parameter used
         return zero.float(), torch.zeros(0, dtype=torch.bool, device=hidden.device)
-    return ChunkedHeadCE.apply(hidden, head.detach(), labels, weights, max(1, int(chunk_rows)))
+    return ChunkedHeadCE.apply(hidden, head.detach(), labels, weights, max(1, int(chunk_rows)), soft_ids, soft_probs)
 
 
-def reference_head_ce(hidden, head, labels, weights):
-    """The plain, fully materialised version, for tests."""
+def mix_soft_labels(top_ids, top_probs, labels, hard_weight: float):
+    """The label distribution of `train.loss=distill`: the target's top-k probabilities renormalised over the
+    k (the tail's mass is dropped), times 1 - hard_weight, and the hard label with hard_weight, as one label
+    of k + 1 entries (ids [M, k+1], probs [M, k+1]). A token in both simply gets both masses (the loss is
+    linear in the label)."""
+    p = top_probs.float()
+    p = p / p.sum(dim=-1, keepdim=True).clamp_min(1e-12)
+    ids = torch.cat([top_ids.long(), labels.long()[:, None]], dim=1)
+    probs = torch.cat([p * (1.0 - hard_weight), torch.full_like(p[:, :1], float(hard_weight))], dim=1)
+    return ids, probs
+
+
+def reference_head_ce(hidden, head, labels, weights, soft_ids=None, soft_probs=None):
+    """The plain, fully materialised version, for tests: CE with hard labels, or against the soft labels'
+    dense distribution (built by scattering them into a [M, V] zero matrix)."""
     logits = (hidden.to(head.dtype) @ head.t()).float()
-    ce = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
+    if soft_ids is None:
+        ce = torch.nn.functional.cross_entropy(logits, labels, reduction="none")
+    else:
+        dense = torch.zeros_like(logits).scatter_add_(1, soft_ids.long(), soft_probs.float())
+        ce = -(dense * torch.log_softmax(logits, dim=-1)).sum(-1)
     return (weights.float() * ce).sum(), logits.argmax(-1) == labels
 

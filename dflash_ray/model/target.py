@@ -126,12 +126,14 @@ def load_target(path: str, device: str | torch.device = "cpu", dtype: torch.dtyp
 
 
 def load_feature_extractor(path: str, layer_ids: list[int], device: str | torch.device = "cpu",
-                           dtype: torch.dtype | None = None) -> "TargetFeatureExtractor":
+                           dtype: torch.dtype | None = None, top_k: int = 0) -> "TargetFeatureExtractor":
     """A TargetFeatureExtractor over only what feature capture needs: the decoder (AutoModel, the causal
     LM without its head) with the embedding and layers 0..max(layer_ids). Later layers' weights and the
     LM head are checkpoint keys the model does not have: from_pretrained never reads them, into host or
     device memory. For target actors; at Qwen3-8B's shape with the default taps this skips 2 of 36 layers
-    and the 0.6B-parameter head (~1.5 GB of bf16 weights)."""
+    and the 0.6B-parameter head (~1.5 GB of bf16 weights).
+
+    top_k > 0 (distillation's soft labels): every layer and the head too, for `features_and_top_k`."""
     from transformers import AutoConfig, AutoModel
     from transformers.utils import logging as hf_logging
 
@@ -141,7 +143,7 @@ def load_feature_extractor(path: str, layer_ids: list[int], device: str | torch.
     config = AutoConfig.from_pretrained(path)
     text = text_config(config)
     total = int(text.num_hidden_layers)
-    keep = max(int(i) for i in layer_ids) + 1
+    keep = total if top_k else max(int(i) for i in layer_ids) + 1
     if keep < total:
         text.num_hidden_layers = keep
         if getattr(text, "layer_types", None):
@@ -153,7 +155,11 @@ def load_feature_extractor(path: str, layer_ids: list[int], device: str | torch.
     finally:
         hf_logging.set_verbosity(verbosity)
     model.eval().requires_grad_(False)
-    return TargetFeatureExtractor(model, layer_ids, num_target_layers=total)
+    extract = TargetFeatureExtractor(model, layer_ids, num_target_layers=total)
+    if top_k:
+        _, head = load_embed_and_head(path)
+        extract.with_head(head.to(device=device, dtype=dtype), top_k)
+    return extract
 
 
 def _decoder(target_model) -> nn.Module:
@@ -194,6 +200,25 @@ class TargetFeatureExtractor(nn.Module):
         # a stage of a target split over processes (load_target_stage): the layers this one runs
         self.stages = list(stages) if stages else None
         self.stage = self.stages[rank] if self.stages else (0, self.last_layer + 1)
+
+    def with_head(self, head_weight: torch.Tensor, top_k: int) -> "TargetFeatureExtractor":
+        """Run every layer and the LM head too: `features_and_top_k` then gives the next-token top-k."""
+        if len(self.decoder.layers) != self.num_target_layers or self.stages:
+            raise ValueError("the next-token top-k needs the whole target in one process")
+        self.head_weight, self.top_k = head_weight, int(top_k)
+        self.stage = (0, self.num_target_layers)
+        return self
+
+    @torch.no_grad()
+    def features_and_top_k(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None):
+        """(features as `forward`, top-k ids [B, S, k] int32, their probabilities [B, S, k] float32): the
+        target's next-token distribution at every position, as its own forward computes it (final norm,
+        head, softmax in float32)."""
+        hidden = self.decoder.embed_tokens(input_ids)
+        out = hidden.new_empty(input_ids.shape[0], input_ids.shape[1], len(self.layer_ids) * self.hidden_size)
+        last = self.run_layers(hidden, input_ids, attention_mask, out)
+        ids, probs = next_token_top_k(self.decoder.norm(last), self.head_weight, self.top_k)
+        return out, ids, probs
 
     @torch.no_grad()
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -236,6 +261,21 @@ class TargetFeatureExtractor(nn.Module):
                 tapped = dec.norm(hidden) if i == self.num_target_layers - 1 else hidden
                 out[..., j * self.hidden_size:(j + 1) * self.hidden_size] = tapped
         return hidden
+
+
+@torch.no_grad()
+def next_token_top_k(hidden: torch.Tensor, head: torch.Tensor, k: int, chunk_rows: int = 1024):
+    """The top-k of softmax(hidden @ head^T) per position, in row chunks (the [rows, V] logits of one chunk
+    alive at a time): (ids [..., k] int32, probabilities [..., k] float32, softmax over the whole vocabulary)."""
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    ids = torch.empty(flat.shape[0], k, dtype=torch.int32, device=hidden.device)
+    probs = torch.empty(flat.shape[0], k, dtype=torch.float32, device=hidden.device)
+    for lo in range(0, flat.shape[0], chunk_rows):
+        logits = (flat[lo:lo + chunk_rows].to(head.dtype) @ head.t()).float()
+        top, idx = logits.topk(k, dim=-1)
+        probs[lo:lo + chunk_rows] = (top - torch.logsumexp(logits, dim=-1, keepdim=True)).exp()
+        ids[lo:lo + chunk_rows] = idx.to(torch.int32)
+    return ids.view(*hidden.shape[:-1], k), probs.view(*hidden.shape[:-1], k)
 
 
 def _read_config(path: str) -> dict:

@@ -41,7 +41,7 @@ def plan_feature_cache(cfg, plan) -> dict | None:
     if shape is None:
         return None
     t, dtype, tokens = cfg.train, compute_dtype(cfg), int(plan.summary()["tokens"])
-    need = cache_bytes(tokens, shape[1], shape[0], dtype)
+    need = cache_bytes(tokens, shape[1], shape[0], dtype, t.distill_top_k if t.loss == "distill" else 0)
     _, free = cache_disk(t.feature_cache_dir)
     try:
         mode, why = choose_features(t.features, t.epochs, need, t.feature_cache_gb, free)

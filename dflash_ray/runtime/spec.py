@@ -225,7 +225,7 @@ def with_feature_cache(spec: RunSpec, scan, log=print) -> RunSpec:
 
     t = spec.train
     need = cache_bytes(int(scan.lengths.num_tokens.sum()), len(spec.drafter.target_layer_ids),
-                       spec.target_hidden_size, spec.compute_dtype)
+                       spec.target_hidden_size, spec.compute_dtype, t.distill_top_k if t.loss == "distill" else 0)
     root, free = cache_disk(t.feature_cache_dir)
     mode, why = choose_features(t.features, t.epochs, need, t.feature_cache_gb, free)
     key = None

@@ -35,7 +35,8 @@ import numpy as np
 
 _MAGIC = b"DFRFEAT1"
 _HEADER = struct.Struct("<8sqqII")   # magic, length, width, dtype code, crc32 of the payload
-_DTYPES = {1: np.dtype("<f4"), 2: np.dtype("<i2")}   # float32, bfloat16 as its int16 bits (rows.encode_features)
+# float32, bfloat16 as its int16 bits (rows.encode_features), int32 (rows.encode_soft_labels)
+_DTYPES = {1: np.dtype("<f4"), 2: np.dtype("<i2"), 3: np.dtype("<i4")}
 _CODES = {v: k for k, v in _DTYPES.items()}
 
 
@@ -58,10 +59,16 @@ def cache_key(target_path: str, taps, dtype: str, contents: str) -> str:
     return hashlib.sha256(json.dumps(what, sort_keys=True).encode()).hexdigest()[:20]
 
 
-def cache_bytes(tokens: int, taps: int, hidden: int, dtype: str) -> int:
-    """The whole corpus's features on disk: tokens x taps x hidden x bytes (a node caches the samples its
-    ranks train: on one node all of them, on several about 1/nodes in the first epoch, more later)."""
-    return int(tokens) * int(taps) * int(hidden) * (2 if dtype == "bfloat16" else 4)
+def soft_label_key(key: str, top_k: int) -> str:
+    """The key of distillation's soft labels (the target's next-token top-k): beside the features', per k."""
+    return f"{key}-top{int(top_k)}"
+
+
+def cache_bytes(tokens: int, taps: int, hidden: int, dtype: str, top_k: int = 0) -> int:
+    """The whole corpus's features on disk: tokens x taps x hidden x bytes, and with distillation's top-k
+    8 bytes a token per k (a node caches the samples its ranks train: on one node all of them, on several
+    about 1/nodes in the first epoch, more later)."""
+    return int(tokens) * (int(taps) * int(hidden) * (2 if dtype == "bfloat16" else 4) + 8 * int(top_k))
 
 
 def choose_features(mode: str, epochs: int, need_bytes: int, budget_gb: float, free_bytes: int | None) -> tuple[str, str]:

@@ -182,21 +182,35 @@ def target_context(extract, input_ids: np.ndarray, lengths: np.ndarray, device) 
     return encode_features(extract(ids, attn))
 
 
+def target_context_and_soft_labels(extract, input_ids: np.ndarray, lengths: np.ndarray, device):
+    """`target_context` and the target's next-token top-k at every position (distillation's soft labels,
+    rows.encode_soft_labels), from the same forward."""
+    from dflash_ray.runtime.stream.rows import encode_soft_labels
+
+    ids, attn = _ids_and_mask(input_ids, lengths, device)
+    feats, top_ids, top_probs = extract.features_and_top_k(ids, attn)
+    return (*encode_features(feats), encode_soft_labels(top_ids, top_probs))
+
+
 class TargetForward:
     """One per target GPU (a custom resource stands in on the CPU): the frozen target's tapped-layer
     features for each batch. Ray restarts a killed actor (Ray Data retries its batch on a live one)."""
 
     def __init__(self, target_path: str, layer_ids: list, use_gpu: bool, record: str, namespace: str,
                  threads: int = 1, gpu_share: float = 1.0, dtype: str = "float32", stages: int = 1,
-                 stage_resources: dict | None = None, feature_cache: tuple | None = None):
+                 stage_resources: dict | None = None, feature_cache: tuple | None = None, top_k: int = 0):
         import ray
         import torch
 
         from dflash_ray.model.target import load_feature_extractor
-        from dflash_ray.runtime.stream.feature_cache import FeatureCache, default_root
+        from dflash_ray.runtime.stream.feature_cache import FeatureCache, default_root, soft_label_key
 
         # hybrid (train.features): (cache dir or None for this node's default, key); None: online
         self.cache = None if feature_cache is None else FeatureCache(feature_cache[0] or default_root(), feature_cache[1])
+        # train.loss=distill: the target's next-token top-k beside the features (cached under their own key)
+        self.top_k = int(top_k)
+        self.soft_cache = None if self.cache is None or not self.top_k else FeatureCache(
+            feature_cache[0] or default_root(), soft_label_key(feature_cache[1], self.top_k))
 
         if not use_gpu:
             torch.set_num_threads(max(1, threads))
@@ -207,11 +221,13 @@ class TargetForward:
             cap_gpu_memory(gpu_share)
         self.followers = []
         if stages > 1:   # a replica over `stages` GPUs: this actor is stage 0, the others are started here
+            if self.top_k:   # resolve_spec refuses the pair: a follower would need the head and the gather
+                raise ValueError("train.loss=distill needs the target in one process (target_gpus_per_replica 1)")
             self.extract, self.followers = start_replica(target_path, list(layer_ids), use_gpu, gpu_share, dtype,
                                                          stages, stage_resources or {}, threads)
-        else:   # only the embedding and layers 0..max(tap): later layers and the LM head are never loaded
+        else:   # only the embedding and layers 0..max(tap) (every layer and the head for distill's top-k)
             self.extract = load_feature_extractor(target_path, list(layer_ids), device=self.device,
-                                                  dtype=getattr(torch, dtype))
+                                                  dtype=getattr(torch, dtype), top_k=self.top_k)
         # an epoch end's filler rows: zeros encoded as the real rows are (one dtype in the stream)
         self.filler_dtype = getattr(torch, dtype)
         self.feature_dtype = dtype   # the encoding's name (rows.encode_features) of features read from the cache
@@ -224,35 +240,49 @@ class TargetForward:
 
     def __call__(self, batch: dict) -> dict:
         """A block of plan batches (see rows.stack_rows): each one's features, one report for the block."""
-        contexts, dtypes, report = [], [], []
-        counts = dict(self.cache.counts) if self.cache is not None else None
+        contexts, dtypes, softs, report = [], [], [], []
+        caches = [c for c in (self.cache, self.soft_cache) if c is not None]
+        counts = [dict(c.counts) for c in caches]
         for i in range(len(batch["position"])):
             t0 = time.perf_counter()
-            ids, lengths = batch["input_ids"][i], batch["lengths"][i]
-            cached = None
+            ids, lengths, samples = batch["input_ids"][i], batch["lengths"][i], batch["sample_ids"][i]
+            cached, soft = None, None
             if int(batch["position"][i]) < 0:  # a filler: zeros of the right shape, no forward
                 import torch
 
                 width = self.extract.hidden_size * len(self.extract.layer_ids)
                 feats, dtype = encode_features(torch.zeros(ids.shape + (width,), dtype=self.filler_dtype))
-            elif self.cache is not None and (cached := self.cache.read_batch(batch["sample_ids"][i], lengths,
-                                                                               ids.shape[1])) is not None:
+                soft = np.zeros(ids.shape + (2 * self.top_k,), np.int32)
+            elif self.cache is not None and (cached := self.cache.read_batch(samples, lengths, ids.shape[1])) is not None \
+                    and (not self.top_k or (soft := self.soft_cache.read_batch(samples, lengths, ids.shape[1])) is not None):
                 feats, dtype = cached, self.feature_dtype
             else:
+                cached = None
                 if self.followers:
                     feats, dtype = self.replica_context(ids, lengths)
+                elif self.top_k:
+                    feats, dtype, soft = target_context_and_soft_labels(self.extract, ids, lengths, self.device)
                 else:
                     feats, dtype = target_context(self.extract, ids, lengths, self.device)
                 if self.cache is not None:
-                    self.cache.write_batch(batch["sample_ids"][i], lengths, feats)
+                    self.cache.write_batch(samples, lengths, feats)
+                if self.soft_cache is not None:
+                    self.soft_cache.write_batch(samples, lengths, soft)
             contexts.append(feats)
             dtypes.append(dtype)
+            softs.append(soft)
             report.append((time.perf_counter() - t0, int(batch["num_tokens"][i]), int(batch["bucket"][i]),
                            int(batch["index"][i]), int(feats.nbytes), cached is not None))
-        cache = None if counts is None else {k: v - counts[k] for k, v in self.cache.counts.items()}
+        cache = None
+        if caches:   # rows and samples are the features cache's; bytes and faults both caches'
+            cache = {k: sum(c.counts[k] - n[k] for c, n in zip(caches, counts))
+                     if k.endswith("bytes") or k in ("damaged", "write_errors") else caches[0].counts[k] - counts[0][k]
+                     for k in caches[0].counts}
         self.record.target_batches.remote(self.key, report, cache)
         batch["context"] = contexts
         batch["context_dtype"] = np.array(dtypes)
+        if self.top_k:
+            batch["soft_labels"] = softs
         return batch
 
 
@@ -459,7 +489,8 @@ class DatasetFactory:
                                        gpu_share=c.target_gpus, dtype=s.compute_dtype, threads=threads_for(c.cpu_threads, "target"),
                                        stages=c.target_gpus_per_replica, stage_resources=res,
                                        feature_cache=None if s.feature_cache is None
-                                       else (s.train.feature_cache_dir, s.feature_cache)),
+                                       else (s.train.feature_cache_dir, s.feature_cache),
+                                       top_k=s.train.distill_top_k if s.train.loss == "distill" else 0),
             **res, **pin)
 
 

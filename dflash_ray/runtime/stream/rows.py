@@ -6,7 +6,8 @@ rows (`train_rows`).
 
     feed row (feed.py)    index, epoch, position, epoch_batches, bucket, num_tokens, sample_ids, lengths
     after join_tokens     FEED_SCALARS + gen, input_ids [1,rows,width], loss_mask, lengths [1,rows], sample_ids
-    after TargetForward   + context [1,rows,width,features] and context_dtype (see encode_features)
+    after TargetForward   + context [1,rows,width,features] and context_dtype (see encode_features);
+                          with train.loss=distill also soft_labels [1,rows,width,2k] (encode_soft_labels)
 
 Pure numpy on the encoding side; torch only where a trainer decodes a row (imported lazily), so the
 feed and the Ray Data stages need no torch import of their own.
@@ -77,6 +78,26 @@ def decode_features(array: np.ndarray, dtype: str):
     return t
 
 
+def encode_soft_labels(ids, probs) -> np.ndarray:
+    """The target's next-token top-k (torch ids [rows, width, k], probabilities [rows, width, k] float32)
+    as one int32 array [rows, width, 2k]: the ids, then the probabilities' float32 bits (one column, one
+    dtype in the stream and the cache: 8 bytes a token per k, against the features' 2-4 x taps x hidden)."""
+    import torch
+
+    return torch.cat([ids.to(torch.int32), probs.float().contiguous().view(torch.int32)], dim=-1).cpu().numpy()
+
+
+def decode_soft_labels(array: np.ndarray):
+    """The inverse of `encode_soft_labels`: (ids int64, probabilities float32) torch tensors."""
+    import torch
+
+    with warnings.catch_warnings():  # a read-only view of the object store: we never write to it
+        warnings.simplefilter("ignore", UserWarning)
+        t = torch.from_numpy(np.ascontiguousarray(array, dtype=np.int32))
+    k = t.shape[-1] // 2
+    return t[..., :k].long(), t[..., k:].contiguous().view(torch.float32)
+
+
 def train_rows(batches):
     """The TrainRows of numpy batches (whole blocks: `iter_batches(batch_size=None)`), in order. Slicing
     a block into one-row batches is Ray Data's per-batch work for every row; a block is sliced here."""
@@ -100,6 +121,7 @@ class TrainRow:
     lengths: np.ndarray       # [rows] int32
     context: np.ndarray       # [rows, width, features], encoded (see context_dtype)
     context_dtype: str
+    soft_labels: np.ndarray | None = None   # [rows, width, 2k] int32 (encode_soft_labels): train.loss=distill
     staged: tuple | None = None   # (tensors on the GPU, the copy's CUDA event): set by `stage`
 
     @property
@@ -114,7 +136,8 @@ class TrainRow:
         return cls(**{k: int(batch[k][i]) for k in FEED_SCALARS}, gen=int(batch["gen"][i]),
                    input_ids=batch["input_ids"][i], loss_mask=batch["loss_mask"][i],
                    lengths=batch["lengths"][i], context=batch["context"][i],
-                   context_dtype=str(batch["context_dtype"][i]))
+                   context_dtype=str(batch["context_dtype"][i]),
+                   soft_labels=batch["soft_labels"][i] if "soft_labels" in batch else None)
 
     def tensors(self, device):
         """(input_ids, loss_mask, context, lengths) as torch tensors on `device` (a staged row's: once its
@@ -132,6 +155,14 @@ class TrainRow:
         mask = torch.from_numpy(self.loss_mask.astype(np.int64)).to(device)
         lengths = torch.from_numpy(self.lengths.astype(np.int64)).to(device)
         return ids, mask, decode_features(self.context, self.context_dtype).to(device), lengths
+
+    def soft_label_tensors(self, device):
+        """(top-k ids, probabilities) on `device`, or None without soft labels. Not staged: 64 bytes a token
+        at k = 8, against the features' 2 x taps x hidden (SmolLM2: 2,304), copied when the step needs them."""
+        if self.soft_labels is None:
+            return None
+        ids, probs = decode_soft_labels(self.soft_labels)
+        return ids.to(device), probs.to(device)
 
     def stage(self, device, stream) -> "TrainRow":
         """Copy the row's tensors to the GPU on `stream` (a side stream, from the prefetch thread): the

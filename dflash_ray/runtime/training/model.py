@@ -25,14 +25,16 @@ def lr_lambda(total_steps: int, warmup_ratio: float):
 class LossModule(nn.Module):
     """What DDP wraps: forward = the drafter's training loss (DDP's hooks fire only on forward)."""
 
-    def __init__(self, drafter):
+    def __init__(self, drafter, hard_weight: float = 0.0):
         super().__init__()
         self.drafter = drafter
+        self.hard_weight = float(hard_weight)   # train.distill_hard_weight (used with soft labels only)
         # the frozen target embedding/head are buffers: never broadcast them
         self._ddp_params_and_buffers_to_ignore = ["drafter.embed_weight", "drafter.lm_head_weight"]
 
-    def forward(self, input_ids, loss_mask, context, lengths, generator):
-        out = self.drafter.training_loss(input_ids, loss_mask, context, lengths, generator)
+    def forward(self, input_ids, loss_mask, context, lengths, generator, soft_labels=None):
+        out = self.drafter.training_loss(input_ids, loss_mask, context, lengths, generator, soft_labels,
+                                         self.hard_weight)
         return out.loss_sum, out.weight_sum, out.slot_correct, out.slot_count, out.prefix_correct, out.num_blocks
 
 
@@ -84,7 +86,7 @@ def build_model(run_spec, device, world_size: int, schedule_steps: int):
     from dflash_ray.runtime.training.sharding import shard
 
     drafter = build_run_drafter(run_spec, device)
-    model = LossModule(drafter)
+    model = LossModule(drafter, run_spec.train.distill_hard_weight)
     fsdp = world_size > 1 and run_spec.train.parallelism == "fsdp"
     if fsdp:
         model = shard(drafter, model, device)

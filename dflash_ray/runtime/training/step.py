@@ -131,10 +131,11 @@ def train_step(model, drafter, optimizer, scheduler, rows: list[TrainRow], *, ra
             continue  # nothing to train, and no collective happens in a no_sync micro-step
         sync = micro_step(model, last=a == last)
         ids, mask, context, lengths = row.tensors(device)
+        soft = row.soft_label_tensors(device)   # train.loss=distill; None otherwise
         generator = torch.Generator().manual_seed(batch_seed(seed, row.epoch, max(row.position, 0)))
         with sync:
             with autocast():
-                loss_sum, weight_sum, correct, count, prefix, blocks = model(ids, mask, context, lengths, generator)
+                loss_sum, weight_sum, correct, count, prefix, blocks = model(ids, mask, context, lengths, generator, soft)
             if row.is_filler:
                 if is_sharded(drafter):   # FSDP's reduce-scatter fires from the forward's graph: through it
                     (loss_sum * 0.0).backward()
