@@ -3,6 +3,7 @@ and start the run's actors (coordinator, record) on the driver's node."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 
 from dflash_ray.errors import UserError
@@ -32,7 +33,10 @@ def ray_cluster(cluster, log=print):
         address = os.environ["RAY_ADDRESS"]  # inside `ray job submit`, or set by the user
     if address:
         in_job = "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ  # the job's runtime_env applies (jobs/)
-        ray.init(address=address, runtime_env=None if in_job else runtime_env, log_to_driver=True)
+        _ray_init(f"could not connect to Ray at {address}",
+                  "is the cluster up (`ray status --address <head>:6379`)? Or leave cluster.address and "
+                  "$RAY_ADDRESS unset for a local Ray",
+                  address=address, runtime_env=None if in_job else runtime_env, log_to_driver=True)
         log(f"connected to Ray at {address}")
         yield
         return
@@ -48,13 +52,31 @@ def ray_cluster(cluster, log=print):
     os.environ.setdefault(HEALTH_CHECK, "0.5")
     for key, value in KEEP_IDLE_WORKERS.items():
         os.environ.setdefault(key, value)
-    ray.init(num_cpus=cluster.num_cpus, object_store_memory=cluster.object_store_memory, resources=resources,
-             runtime_env=runtime_env, log_to_driver=False)
+    start = f"scripts/ray-start.sh --head --num-cpus {cluster.num_cpus}" + (
+        f" --resources '{json.dumps(resources)}'" if resources else "")
+    _ray_init("a local Ray did not start",
+              "retry when the machine is less busy (Ray waits 30 s for its node's processes), or start Ray once "
+              f"with `{start}` and run with cluster.address=auto",
+              num_cpus=cluster.num_cpus, object_store_memory=cluster.object_store_memory, resources=resources,
+              runtime_env=runtime_env, log_to_driver=False)
     log(f"started a local Ray ({cluster.num_cpus} CPUs, resources {resources or 'GPUs'})")
     try:
         yield
     finally:
         ray.shutdown()
+
+
+def _ray_init(what: str, advice: str, **kwargs) -> None:
+    """ray.init, its failure one line (what happened, Ray's first line, what to do) instead of Ray's traceback:
+    e.g. a local node that did not come up within Ray's 30 s on a loaded machine."""
+    import ray
+
+    try:
+        ray.init(**kwargs)
+    except Exception as e:   # noqa: BLE001 - Ray raises bare Exception, RuntimeError, ConnectionError
+        ray.shutdown()   # the processes a half-started local Ray left
+        said = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise UserError(f"{what} ({said}): {advice}") from e
 
 
 def check_resources(cluster) -> None:
