@@ -139,6 +139,8 @@ def test_rayjob_entrypoint_composes_and_its_gpus_are_the_configs():
         assert str(cfg_value(cfg, key)).startswith(SHARED + "/"), key
     env = yaml.safe_load(spec["runtimeEnvYAML"])["env_vars"]
     assert env["HF_HOME"].startswith(SHARED + "/")
+    # KubeRay's retries (each on a new RayCluster) resume the run: a fixed run.name on the shared volume
+    assert spec["backoffLimit"] >= 1 and "run.name" in {w.split("=")[0] for w in overrides}
     # the GPU worker group has exactly the GPUs the composed config places (6 target + 2 drafter for 8gpu)
     cluster = spec["rayClusterSpec"]
     (group,) = cluster["workerGroupSpecs"]
