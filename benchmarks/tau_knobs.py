@@ -21,7 +21,7 @@ evaluation visits only the anchors its accepted runs land on. Checked against th
 `dflash_generate` on the best variant at the end (--check-tau).
 
 Variants (comma-separated; KEY=VALUE changes one knob of the base, the preset's):
-  base            the preset: 2 layers, lr 3e-3, 128 anchors a 1,024-token batch, CE, 2 batches a step
+  base            the preset: 2 layers, its lr, 128 anchors a 1,024-token batch, CE, 2 batches a step
   distill         train.loss=distill (top-8, pure); distill=0.5 mixes the hard label at weight 0.5
   lr=X            peak learning rate
   layers=N        drafter layers (the taps follow the tap rule)

@@ -10,7 +10,7 @@ states at the smollm2_135m preset's taps on real English text (this repository's
 rows), a quarter of each row unsupervised (a prompt) and the rest supervised. The drafter is the preset's: 2
 layers at the target's width, heads and MLP, block 8, full attention, fp32, one thread a side. Both sides
 train the same number of anchors a row (at most `--anchors-per-row` of the positions whose token and next
-token are supervised), hard labels with the same decay (gamma 4 at block 8), AdamW at the preset's lr 3e-3,
+token are supervised), hard labels with the same decay (gamma 4 at block 8), AdamW at the preset's lr (3e-3 in the runs of 2026-12-05/06),
 weight decay 0, clip 1.0, warmup + cosine, one optimizer step a batch of `--rows` rows.
 
 What differs and stays: each side samples its own anchors with its own generator (the same count a row:

@@ -22,7 +22,7 @@ The same for both: the conversations and their token ids and loss masks (SpecFor
 prepared shards: its path starts at the tokens), the target and taps (layers [1, 27]; their layer id k is
 transformers' hidden_states[k + 1], as here), the drafter (2 layers, width 576, 9/3 heads, head_dim 64, MLP
 1536, full attention), block 8, mask token 16, at most --anchors-per-row anchors a row (positions whose token
-and next token are supervised), hard labels with decay gamma 4, AdamW lr 3e-3, weight decay 0, clip 1.0,
+and next token are supervised), hard labels with decay gamma 4, AdamW at the preset's lr (3e-3 in the runs of 2026-12-05/06), weight decay 0, clip 1.0,
 warmup 4% + cosine, --epochs passes, fp32 everywhere (the target's forwards too), the machine's two cores.
 What differs and stays: rows per optimizer step (ours: token-budget batches of 1,024 tokens on each of two
 workers; SpecForge: --rows-per-step rows a step, padded to the longest, in one process: by default the rows
