@@ -241,23 +241,21 @@ class TargetForward:
     def __call__(self, batch: dict) -> dict:
         """A block of plan batches (see rows.stack_rows): each one's features, one report for the block."""
         contexts, dtypes, softs, report = [], [], [], []
-        caches = [c for c in (self.cache, self.soft_cache) if c is not None]
-        counts = [dict(c.counts) for c in caches]
+        before = self._cache_counts()
         for i in range(len(batch["position"])):
             t0 = time.perf_counter()
             ids, lengths, samples = batch["input_ids"][i], batch["lengths"][i], batch["sample_ids"][i]
-            cached, soft = None, None
+            cached = None
             if int(batch["position"][i]) < 0:  # a filler: zeros of the right shape, no forward
                 import torch
 
                 width = self.extract.hidden_size * len(self.extract.layer_ids)
                 feats, dtype = encode_features(torch.zeros(ids.shape + (width,), dtype=self.filler_dtype))
                 soft = np.zeros(ids.shape + (2 * self.top_k,), np.int32)
-            elif self.cache is not None and (cached := self.cache.read_batch(samples, lengths, ids.shape[1])) is not None \
-                    and (not self.top_k or (soft := self.soft_cache.read_batch(samples, lengths, ids.shape[1])) is not None):
-                feats, dtype = cached, self.feature_dtype
+            elif (cached := self._from_cache(samples, lengths, ids.shape[1])) is not None:
+                (feats, soft), dtype = cached, self.feature_dtype
             else:
-                cached = None
+                soft = None
                 if self.followers:
                     feats, dtype = self.replica_context(ids, lengths)
                 elif self.top_k:
@@ -273,18 +271,36 @@ class TargetForward:
             softs.append(soft)
             report.append((time.perf_counter() - t0, int(batch["num_tokens"][i]), int(batch["bucket"][i]),
                            int(batch["index"][i]), int(feats.nbytes), cached is not None))
-        cache = None
-        if caches:   # rows and samples are the features cache's; bytes and faults both caches'
-            cache = {k: sum(c.counts[k] - n[k] for c, n in zip(caches, counts))
-                     if k.endswith("bytes") or k in ("damaged", "write_errors") else caches[0].counts[k] - counts[0][k]
-                     for k in caches[0].counts}
-        self.record.target_batches.remote(self.key, report, cache)
+        after = self._cache_counts()
+        self.record.target_batches.remote(self.key, report,
+                                          None if after is None else {k: v - before[k] for k, v in after.items()})
         batch["context"] = contexts
         batch["context_dtype"] = np.array(dtypes)
         if self.top_k:
             batch["soft_labels"] = softs
         return batch
 
+    def _from_cache(self, samples, lengths, width: int):
+        """(features, top-k or None) of a batch whose samples are all in this node's cache (both caches with
+        distill; the top-k first, so a batch read from neither counts no features row), else None."""
+        if self.cache is None:
+            return None
+        soft = None
+        if self.soft_cache is not None and (soft := self.soft_cache.read_batch(samples, lengths, width)) is None:
+            return None
+        feats = self.cache.read_batch(samples, lengths, width)
+        return None if feats is None else (feats, soft)
+
+    def _cache_counts(self) -> dict | None:
+        """What the caches have done so far (feature_cache.py counts): rows and samples are the features
+        cache's, bytes and faults both caches'."""
+        if self.cache is None:
+            return None
+        counts = dict(self.cache.counts)
+        if self.soft_cache is not None:
+            for k in ("read_bytes", "written_bytes", "damaged", "write_errors"):
+                counts[k] += self.soft_cache.counts[k]
+        return counts
 
     def replica_context(self, input_ids: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, str]:
         """One batch through the replica's stages: each follower starts its part (its calls run in order),
