@@ -181,9 +181,11 @@ class TrainConfig:
     parallelism: str = "auto"
     recompute_layers: bool = False  # activation checkpointing of the drafter's layers: recompute in backward
     # the target's features: online (every epoch through the target actors) | hybrid (each sample's computed
-    # once, cached on the node, read back after) | auto (hybrid for runs of 2+ epochs whose cache fits; the
-    # real presets' choice). Online by default: hybrid's features equal online's up to float rounding (another
-    # batch shape), and the embedded default's runs stay bit for bit reproducible
+    # once, cached on the node, read back after) | offline (hybrid, every sample computed first, before the
+    # drafter starts: the target and the drafter each get every core in turn) | auto (the real presets'
+    # choice: offline on CPUs, hybrid on GPUs for 2+ epochs, when the cache fits). Online by default: the
+    # cache's features equal online's up to float rounding (another batch shape), and the embedded default's
+    # runs stay bit for bit reproducible
     features: str = "online"
     feature_cache_dir: Optional[str] = None   # node-local (null: $DFLASH_RAY_CACHE/features, ~/.cache/dflash-ray)
     feature_cache_gb: float = 64.0            # the cache's disk budget per node: over it, a run stays online
@@ -243,7 +245,7 @@ class RootConfig:
 CHOICES = {"data.overlong": ("truncate", "drop"), "data.format": FORMATS, "data.on_bad_row": ON_BAD_ROW,
            "data.turns": ("all", "last"), "data.prepare_engine": ("local", "ray"), "data.interleave": STRATEGIES,
            "train.checkpoint_upload": ("async", "sync"), "train.parallelism": ("auto", "ddp", "fsdp"),
-           "train.features": ("auto", "online", "hybrid"), "train.loss": ("ce", "distill"), "regenerate.on_max_tokens": ("drop", "keep"),
+           "train.features": ("auto", "online", "hybrid", "offline"), "train.loss": ("ce", "distill"), "regenerate.on_max_tokens": ("drop", "keep"),
            "data.synthetic.corpus": ("walks", "instructions"), "model.compute_dtype": (None, "bfloat16", "float32")}
 MINIMUM = {"model.block_size": 2, "model.num_draft_layers": 1, "model.num_anchors": 1, "model.anchors_per_batch": 1,
            "model.max_block_tokens_per_batch": 1,

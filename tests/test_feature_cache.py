@@ -28,6 +28,8 @@ def test_written_entries_read_back_and_batches_pad_with_zeros(tmp_path):
     assert np.array_equal(got[1, :5], a) and not got[1, 5:].any()
     assert c.read_batch([7, 8], [5, 5], width=8) is None   # one sample missing: the batch is computed
     assert c.counts["written_samples"] == 2 and c.counts["read_rows"] == 1
+    assert c.has_batch([300, 7], [3, 5]) and not c.has_batch([7, 8], [5, 5]) and not c.has_batch([7], [4])
+    assert c.counts["read_rows"] == 1   # has_batch reads nothing
     # bf16 features travel as their int16 bits (rows.encode_features): the same bits come back
     bits = features(4, seed=3).view(np.int32).astype(np.int16)
     c.put(9, bits)
@@ -98,3 +100,12 @@ def test_train_features_answered_by_size_budget_disk_and_epochs():
     assert choose_features("hybrid", 1, gib, 64, None)[0] == "hybrid"    # asked for: written for later runs
     with pytest.raises(UserError, match="config key 'train.features'.*70.00 GiB.*train.feature_cache_gb=64"):
         choose_features("hybrid", 6, 70 * gib, 64, None)
+    # cores shared by the target and the drafter (a CPU run): auto computes the target's pass first, even for
+    # one epoch; on GPUs it stays as above; a cache that does not fit stays online, an asked-for one is refused
+    assert choose_features("auto", 1, gib, 64, None, shared_cores=True)[0] == "offline"
+    assert choose_features("auto", 6, gib, 64, None, shared_cores=True)[0] == "offline"
+    assert choose_features("online", 6, gib, 64, None, shared_cores=True)[0] == "online"
+    assert choose_features("auto", 6, 70 * gib, 64, None, shared_cores=True)[0] == "online"
+    assert choose_features("offline", 1, gib, 64, None)[0] == "offline"
+    with pytest.raises(UserError, match="config key 'train.features': offline needs 70.00 GiB"):
+        choose_features("offline", 6, 70 * gib, 64, None)

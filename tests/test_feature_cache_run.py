@@ -2,7 +2,8 @@
 the first epoch's batches run through the target actors and write each sample's features to the node's
 cache; the second epoch reads them back and the target computes nothing; the drafter trained from the cache
 equals the online job's (job_run), and a run that finds the cache warm reads every batch, stops inside
-epoch 1 and resumes from its checkpoint to the same weights."""
+epoch 1 and resumes from its checkpoint to the same weights. train.features=offline computes every sample
+before the drafter workers start, and its training stream reads only the cache (its target never loads)."""
 from __future__ import annotations
 
 import json
@@ -57,3 +58,28 @@ def test_hybrid_reads_later_epochs_from_the_cache_and_trains_what_online_trains(
     assert_same_weights(cold["checkpoint"], warm["checkpoint"])
     summary = json.loads((Path(spec.run_dir) / "summary.json").read_text())
     assert summary["features"].startswith("hybrid")
+
+
+def test_offline_computes_every_sample_first_and_training_only_reads_the_cache(train_run, job_run, tmp_path,
+                                                                                tiny_plan_batches):
+    cache = ["train.features=offline", f"train.feature_cache_dir={tmp_path / 'features'}"]
+    spec, run = train_run("offline", [*RUNTIME_RUN, *cache])
+    job = job_run["summary"]
+    assert run["features"].startswith("offline") and spec.features == "offline"
+    off = run["offline_features"]
+    # the pass: every batch of epoch 0 (the tiny data's plan, RUNTIME_RUN) computed once, by as many actors as
+    # the session's Ray has target slots (no trainer holds one yet)
+    import ray
+
+    assert off["rows"] == off["computed_batches"] == tiny_plan_batches[0]
+    assert off["actors"] == int(ray.cluster_resources()[spec.cluster.target_resource])
+    entries = list((tmp_path / "features" / spec.feature_cache).rglob("*.feat"))
+    assert run["feature_cache"]["written_samples"] == len(entries) > 0
+    # training read every token of both epochs from the cache: the target computed epoch 0's tokens, once
+    assert run["feature_cache"]["read_tokens"] == run["tokens"] == job["tokens"]
+    assert computed_tokens(run) == off["computed_tokens"] and 2 * off["computed_tokens"] == job["tokens"]
+    events = [json.loads(x) for x in (Path(spec.run_dir) / "events.jsonl").read_text().splitlines()]
+    loaded = [e for e in events if e["event"] == "target_loaded"]
+    assert len(loaded) == 1   # the pass's actor; the training stream's actor never loads the target
+    assert run["steps"] == job["steps"] and run["ledger"]["ok"]
+    assert_same_weights(job["checkpoint"], run["checkpoint"])

@@ -116,7 +116,8 @@ def test_plan_prints_the_feature_cache_and_the_8b_preset_stays_online_saying_why
     assert cache["bytes"] == out["tokens"] * 5 * 4096 * 2 > 64 * 2**30
     assert cache["mode"] == "online" and "over train.feature_cache_gb=64" in cache["why"]
     small = _plan(args + ["model=qwen3_8b", "train.feature_cache_gb=1000"], capsys)["memory"]["feature_cache"]
-    assert small["mode"] in ("hybrid", "online") and ("hybrid" == small["mode"]) == ("GiB free" not in small["why"])
+    # the local cluster computes on CPUs, where the target and the drafter share the cores: offline when it fits
+    assert small["mode"] in ("offline", "online") and ("offline" == small["mode"]) == ("GiB free" not in small["why"])
     refused = _plan(args + ["model=qwen3_8b", "train.features=hybrid"], capsys)["memory"]["feature_cache"]
     assert refused["mode"] == "refused" and "config key 'train.features'" in refused["why"]
     assert run_command("plan", args + ["model=qwen3_8b"]) == 0

@@ -44,7 +44,8 @@ def plan_feature_cache(cfg, plan) -> dict | None:
     need = cache_bytes(tokens, shape[1], shape[0], dtype, t.distill_top_k if t.loss == "distill" else 0)
     _, free = cache_disk(t.feature_cache_dir)
     try:
-        mode, why = choose_features(t.features, t.epochs, need, t.feature_cache_gb, free)
+        mode, why = choose_features(t.features, t.epochs, need, t.feature_cache_gb, free,
+                                    shared_cores=not cfg.cluster.use_gpu)
     except UserError as e:
         mode, why = "refused", str(e)
     return {"bytes": need, "mode": mode, "why": why,

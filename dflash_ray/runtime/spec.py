@@ -53,7 +53,8 @@ class RunSpec:
     init_from: str | None = None    # an exported drafter the run starts from at step 0 (checked against the run)
     target_hidden_size: int = 0     # the target's width: sizes the stream's blocks (0: unknown, one batch a block)
     compute_dtype: str = "float32"  # the target's forwards and the drafter's autocast (model.compute_dtype resolved)
-    feature_cache: str | None = None   # train.features resolved: the cache's key (hybrid), None (online)
+    feature_cache: str | None = None   # train.features resolved: the cache's key (hybrid, offline), None (online)
+    features: str = "online"        # train.features resolved: online | hybrid | offline (the target's pass first)
     features_why: str = ""          # why that mode (printed at the start, summary.json)
 
     @property
@@ -227,9 +228,10 @@ def with_feature_cache(spec: RunSpec, scan, log=print) -> RunSpec:
     need = cache_bytes(int(scan.lengths.num_tokens.sum()), len(spec.drafter.target_layer_ids),
                        spec.target_hidden_size, spec.compute_dtype, t.distill_top_k if t.loss == "distill" else 0)
     root, free = cache_disk(t.feature_cache_dir)
-    mode, why = choose_features(t.features, t.epochs, need, t.feature_cache_gb, free)
+    mode, why = choose_features(t.features, t.epochs, need, t.feature_cache_gb, free,
+                                shared_cores=not spec.cluster.use_gpu)
     key = None
-    if mode == "hybrid":
+    if mode in ("hybrid", "offline"):
         contents = scan.contents or ((read_run_inputs(spec.run_dir) or {}).get("shards") or {}).get("contents")
         if not contents:
             from dflash_ray.data.shards import contents_digest
@@ -238,7 +240,7 @@ def with_feature_cache(spec: RunSpec, scan, log=print) -> RunSpec:
         key = cache_key(spec.target_path, spec.drafter.target_layer_ids, spec.compute_dtype, contents)
         why = f"{why} at {root / key}"
     log(f"target features: {mode} ({why})")
-    return dataclasses.replace(spec, feature_cache=key, features_why=f"{mode}: {why}")
+    return dataclasses.replace(spec, feature_cache=key, features=mode, features_why=f"{mode}: {why}")
 
 
 def with_parallelism(spec: RunSpec, parallelism: str, log=print) -> RunSpec:

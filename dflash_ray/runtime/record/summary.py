@@ -69,6 +69,7 @@ def build_summary(run_spec, plans, plan_summary: dict, report: dict, *, started:
         # train.features: the mode and why; hybrid: the batches read back instead of computed, the entries
         # written, damaged ones found (recomputed), failed writes (then online)
         "features": run_spec.features_why, "feature_cache": report.get("feature_cache"),
+        "offline_features": report.get("offline_features"),   # offline: the target's pass before training
         "target_busy_max_over_min": report["target_busy_max_over_min"],
         "timeline_seconds": report.get("timeline", {}),
         # tau against the target tokens trained so far: does more data or more steps help?

@@ -6,8 +6,12 @@ read back in later epochs, on the node that computed them. No Ray, no torch: num
              other batch runs through the target, and its samples' features are written to the cache. On
              one node the first epoch computes and writes, the later epochs only read; a rerun with the
              same key (another lr, a resumed run) reads from its first batch
-    auto     hybrid when the run trains more than one epoch and the cache fits `train.feature_cache_gb` and
-             the disk; online otherwise, saying why (the 8B presets' corpora need terabytes)
+    offline  hybrid, with the target's pass over every sample first (stream/offline.py), before the drafter
+             workers start: where the target and the drafter would share the same cores (a CPU run), each
+             then has all of them in turn, as the peers' offline paths (dump, then train) do
+    auto     on CPUs offline, on GPUs hybrid when the run trains more than one epoch; either only when the
+             cache fits `train.feature_cache_gb` and the disk; online otherwise, saying why (the 8B presets'
+             corpora need terabytes)
 
 Per sample, not per batch: every epoch's plan cuts other batches (data/plan.py), while a sample's features
 are the same in any batch it rides in (right padding under a causal mask; equal up to the float rounding of
@@ -71,9 +75,13 @@ def cache_bytes(tokens: int, taps: int, hidden: int, dtype: str, top_k: int = 0)
     return int(tokens) * (int(taps) * int(hidden) * (2 if dtype == "bfloat16" else 4) + 8 * int(top_k))
 
 
-def choose_features(mode: str, epochs: int, need_bytes: int, budget_gb: float, free_bytes: int | None) -> tuple[str, str]:
-    """(online | hybrid, why): `train.features` answered for this run. auto stays online when the cache
-    would not fit (and says why); an explicit hybrid that would not fit is refused, one line."""
+def choose_features(mode: str, epochs: int, need_bytes: int, budget_gb: float, free_bytes: int | None,
+                    shared_cores: bool = False) -> tuple[str, str]:
+    """(online | hybrid | offline, why): `train.features` answered for this run. auto stays online when the
+    cache would not fit (and says why); an explicit hybrid or offline that would not fit is refused, one line.
+    shared_cores: the target actors and the drafter workers compute on the same cores (a CPU run), where
+    running them side by side only splits the cores: auto then takes offline (the target's pass first, on
+    every core, then training from the cache)."""
     from dflash_ray.errors import UserError
 
     need = f"{need_bytes / 2**30:,.2f} GiB of features"
@@ -84,14 +92,17 @@ def choose_features(mode: str, epochs: int, need_bytes: int, budget_gb: float, f
         misfit = f"{need} over train.feature_cache_gb={budget_gb:g}"
     elif free_bytes is not None and need_bytes > free_bytes:
         misfit = f"{need} over the cache disk's {free_bytes / 2**30:,.1f} GiB free"
-    if misfit and mode == "hybrid":
-        raise UserError(f"config key 'train.features': hybrid needs {misfit}: raise the budget, free the disk, "
+    if misfit and mode in ("hybrid", "offline"):
+        raise UserError(f"config key 'train.features': {mode} needs {misfit}: raise the budget, free the disk, "
                         "set train.feature_cache_dir elsewhere, or train online")
     if misfit:
         return "online", misfit
+    fits = f"{need}, within train.feature_cache_gb={budget_gb:g}"
+    if mode == "auto" and shared_cores:
+        return "offline", f"{fits}; the target and the drafter share the CPU's cores: the target's pass first"
     if mode == "auto" and epochs <= 1:
         return "online", "one epoch: a cache would be written and never read (train.features=hybrid caches it for later runs)"
-    return "hybrid", f"{need}, within train.feature_cache_gb={budget_gb:g}"
+    return ("offline" if mode == "offline" else "hybrid"), fits
 
 
 def default_root() -> Path:
@@ -182,6 +193,11 @@ class FeatureCache:
         self.counts["read_rows"] += 1
         self.counts["read_bytes"] += int(out.nbytes)
         return out
+
+    def has_batch(self, sample_ids, lengths) -> bool:
+        """Whether every sample of a batch has an entry (a stat each, nothing read: the offline pass's
+        resume check; a damaged entry still shows when it is read, and is then recomputed)."""
+        return all(self.path(int(sid), int(n)).exists() for sid, n in zip(sample_ids, lengths))
 
     def write_batch(self, sample_ids, lengths, features: np.ndarray) -> None:
         """Each sample of a computed batch (features [rows, width_tokens, F]) under its id and length."""

@@ -69,7 +69,11 @@ def join_tokens(batch: dict, *, feed: _Ref, tokens: _Ref, coordinator: str, name
     if key not in _CACHE:
         _CACHE[key] = ray.get_actor(coordinator, namespace=namespace)
     ray.get(_CACHE[key].admit.remote(gen, indices[-1]))
-    table = _get(feed)
+    return token_block(_get(feed), tokens, indices, gen=gen, pad_id=pad_id, block_size=block_size)
+
+
+def token_block(table, tokens: _Ref, indices: list, *, gen: int, pad_id: int, block_size: int) -> dict:
+    """Feed rows `indices` of `table` -> their plan batches of right-padded tokens (rows.stack_rows)."""
     store = None
     rows = []
     for index in indices:
@@ -198,19 +202,23 @@ class TargetForward:
 
     def __init__(self, target_path: str, layer_ids: list, use_gpu: bool, record: str, namespace: str,
                  threads: int = 1, gpu_share: float = 1.0, dtype: str = "float32", stages: int = 1,
-                 stage_resources: dict | None = None, feature_cache: tuple | None = None, top_k: int = 0):
+                 stage_resources: dict | None = None, feature_cache: tuple | None = None, top_k: int = 0,
+                 feature_width: int = 0, keep_features: bool = True):
         import ray
         import torch
 
-        from dflash_ray.model.target import load_feature_extractor
         from dflash_ray.runtime.stream.feature_cache import FeatureCache, default_root, soft_label_key
 
-        # hybrid (train.features): (cache dir or None for this node's default, key); None: online
+        # hybrid / offline (train.features): (cache dir or None for this node's default, key); None: online
         self.cache = None if feature_cache is None else FeatureCache(feature_cache[0] or default_root(), feature_cache[1])
         # train.loss=distill: the target's next-token top-k beside the features (cached under their own key)
         self.top_k = int(top_k)
         self.soft_cache = None if self.cache is None or not self.top_k else FeatureCache(
             feature_cache[0] or default_root(), soft_label_key(feature_cache[1], self.top_k))
+        # keep_features False: the offline pass (stream/offline.py), which only fills the cache; a batch
+        # already cached is skipped without reading it
+        self.keep_features = keep_features
+        self.layer_ids, self.feature_width = list(layer_ids), int(feature_width)
 
         if not use_gpu:
             torch.set_num_threads(max(1, threads))
@@ -219,24 +227,44 @@ class TargetForward:
             from dflash_ray.runtime.cluster import cap_gpu_memory
 
             cap_gpu_memory(gpu_share)
-        self.followers = []
-        if stages > 1:   # a replica over `stages` GPUs: this actor is stage 0, the others are started here
-            if self.top_k:   # resolve_spec refuses the pair: a follower would need the head and the gather
-                raise ValueError("train.loss=distill needs the target in one process (target_gpus_per_replica 1)")
-            self.extract, self.followers = start_replica(target_path, list(layer_ids), use_gpu, gpu_share, dtype,
-                                                         stages, stage_resources or {}, threads)
-        else:   # only the embedding and layers 0..max(tap) (every layer and the head for distill's top-k)
-            self.extract = load_feature_extractor(target_path, list(layer_ids), device=self.device,
-                                                  dtype=getattr(torch, dtype), top_k=self.top_k)
+        if stages > 1 and self.top_k:   # resolve_spec refuses the pair: a follower would need the head and the gather
+            raise ValueError("train.loss=distill needs the target in one process (target_gpus_per_replica 1)")
+        # the target loads at the first batch the cache cannot answer: a stream that only reads the cache
+        # (an offline run's training, a hybrid run's later segments) never holds it
+        self._load = dict(target_path=target_path, use_gpu=use_gpu, gpu_share=gpu_share, dtype=dtype, stages=stages,
+                          stage_resources=stage_resources or {}, threads=threads)
+        self._extract, self.followers = None, []
         # an epoch end's filler rows: zeros encoded as the real rows are (one dtype in the stream)
         self.filler_dtype = getattr(torch, dtype)
         self.feature_dtype = dtype   # the encoding's name (rows.encode_features) of features read from the cache
         self.key = ray.get_runtime_context().get_actor_id()[:12]
         self.record = ray.get_actor(record, namespace=namespace)   # the run record counts what we compute
         ray.get(self.record.target_started.remote(self.key, os.getpid(), ray.get_runtime_context().get_node_id()))
-        if self.followers:   # the replica's stages, where and which layers (events.jsonl)
-            self.record.event.remote("target_replica", actor=self.key, layers=[list(r) for r in self.extract.stages],
-                                     pids=[os.getpid()] + ray.get([f.pid.remote() for f in self.followers]))
+        if self.cache is None:   # online: every batch needs the target, so it loads now (its failures show here)
+            self.extract   # noqa: B018
+
+    @property
+    def extract(self):
+        """The target's feature extractor, loaded at first use (see __init__)."""
+        if self._extract is None:
+            import ray
+            import torch
+
+            from dflash_ray.model.target import load_feature_extractor
+
+            a, t0 = self._load, time.perf_counter()
+            if a["stages"] > 1:   # a replica over `stages` GPUs: this actor is stage 0, the others are started here
+                self._extract, self.followers = start_replica(a["target_path"], self.layer_ids, a["use_gpu"],
+                                                              a["gpu_share"], a["dtype"], a["stages"],
+                                                              a["stage_resources"], a["threads"])
+                self.record.event.remote("target_replica", actor=self.key,   # the replica's stages (events.jsonl)
+                                         layers=[list(r) for r in self._extract.stages],
+                                         pids=[os.getpid()] + ray.get([f.pid.remote() for f in self.followers]))
+            else:   # only the embedding and layers 0..max(tap) (every layer and the head for distill's top-k)
+                self._extract = load_feature_extractor(a["target_path"], self.layer_ids, device=self.device,
+                                                       dtype=getattr(torch, a["dtype"]), top_k=self.top_k)
+            self.record.event.remote("target_loaded", actor=self.key, seconds=round(time.perf_counter() - t0, 2))
+        return self._extract
 
     def __call__(self, batch: dict) -> dict:
         """A block of plan batches (see rows.stack_rows): each one's features, one report for the block."""
@@ -247,16 +275,20 @@ class TargetForward:
             ids, lengths, samples = batch["input_ids"][i], batch["lengths"][i], batch["sample_ids"][i]
             cached = None
             if int(batch["position"][i]) < 0:  # a filler: zeros of the right shape, no forward
+                if not self.keep_features:
+                    continue
                 import torch
 
-                width = self.extract.hidden_size * len(self.extract.layer_ids)
+                width = self.feature_width or self.extract.hidden_size * len(self.layer_ids)
                 feats, dtype = encode_features(torch.zeros(ids.shape + (width,), dtype=self.filler_dtype))
                 soft = np.zeros(ids.shape + (2 * self.top_k,), np.int32)
+            elif not self.keep_features and self._has_cached(samples, lengths):
+                continue   # the offline pass, resumed: computed by an earlier pass
             elif (cached := self._from_cache(samples, lengths, ids.shape[1])) is not None:
                 (feats, soft), dtype = cached, self.feature_dtype
             else:
                 soft = None
-                if self.followers:
+                if self._load["stages"] > 1:
                     feats, dtype = self.replica_context(ids, lengths)
                 elif self.top_k:
                     feats, dtype, soft = target_context_and_soft_labels(self.extract, ids, lengths, self.device)
@@ -274,11 +306,18 @@ class TargetForward:
         after = self._cache_counts()
         self.record.target_batches.remote(self.key, report,
                                           None if after is None else {k: v - before[k] for k, v in after.items()})
+        if not self.keep_features:   # the offline pass: what was computed, not the features
+            return {"computed_tokens": np.array([sum(r[1] for r in report)], np.int64),
+                    "computed_batches": np.array([len(report)], np.int64)}
         batch["context"] = contexts
         batch["context_dtype"] = np.array(dtypes)
         if self.top_k:
             batch["soft_labels"] = softs
         return batch
+
+    def _has_cached(self, samples, lengths) -> bool:
+        return self.cache.has_batch(samples, lengths) and (self.soft_cache is None
+                                                          or self.soft_cache.has_batch(samples, lengths))
 
     def _from_cache(self, samples, lengths, width: int):
         """(features, top-k or None) of a batch whose samples are all in this node's cache (both caches with
@@ -311,10 +350,11 @@ class TargetForward:
         from dflash_ray.model.target import replica_features
         from dflash_ray.runtime.stream.rows import encode_features
 
+        extract = self.extract   # loaded (its followers started) before they are called
         refs = [f.forward.remote(input_ids, lengths) for f in self.followers]
         ids, attn = _ids_and_mask(input_ids, lengths, self.device)
         try:
-            feats = replica_features(self.extract, ids, attn)
+            feats = replica_features(extract, ids, attn)
             ray.get(refs)
         except Exception:   # noqa: BLE001 - any stage's failure breaks the group for good
             import traceback
@@ -479,8 +519,6 @@ class DatasetFactory:
         from ray.data import ActorPoolStrategy
         from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-        from dflash_ray.runtime.record.record import record_actor_name
-
         s, c = self.run_spec, self.run_spec.cluster
         per_rank = num_rows // world   # the feed gives every rank the same number of rows
         n = stream_blocks(per_rank, per_block, len(ranks))
@@ -494,20 +532,32 @@ class DatasetFactory:
                            namespace=s.namespace, gen=gen, pad_id=s.pad_token_id, block_size=s.drafter.block_size,
                            ranks=tuple(ranks), world=world, rows_per_block=per_block, rows_per_rank=per_rank),
             **pin)
-        if c.use_gpu:
-            res = dict(num_gpus=c.target_gpus, num_cpus=1)
-        else:
-            res = dict(num_cpus=0.5, resources={c.target_resource: 1})
+        res = target_actor_resources(c)
         return ds.map_batches(   # batch_size None: a block is one call (never merged with the next)
             TargetForward, batch_size=None, compute=ActorPoolStrategy(size=target_actors),
-            fn_constructor_kwargs=dict(target_path=s.target_path, layer_ids=list(s.drafter.target_layer_ids),
-                                       use_gpu=c.use_gpu, record=record_actor_name(s.coordinator), namespace=s.namespace,
-                                       gpu_share=c.target_gpus, dtype=s.compute_dtype, threads=threads_for(c.cpu_threads, "target"),
-                                       stages=c.target_gpus_per_replica, stage_resources=res,
-                                       feature_cache=None if s.feature_cache is None
-                                       else (s.train.feature_cache_dir, s.feature_cache),
-                                       top_k=s.train.distill_top_k if s.train.loss == "distill" else 0),
+            fn_constructor_kwargs=target_forward_kwargs(s, threads=threads_for(c.cpu_threads, "target"), stage_resources=res),
             **res, **pin)
+
+
+def target_actor_resources(cluster) -> dict:
+    """What one TargetForward actor asks Ray for: its GPU share, or on CPUs the target's custom resource."""
+    if cluster.use_gpu:
+        return dict(num_gpus=cluster.target_gpus, num_cpus=1)
+    return dict(num_cpus=0.5, resources={cluster.target_resource: 1})
+
+
+def target_forward_kwargs(s, *, threads: int, stage_resources: dict, keep_features: bool = True) -> dict:
+    """TargetForward's constructor arguments for run spec `s`."""
+    from dflash_ray.runtime.record.record import record_actor_name
+
+    c = s.cluster
+    return dict(target_path=s.target_path, layer_ids=list(s.drafter.target_layer_ids), use_gpu=c.use_gpu,
+                record=record_actor_name(s.coordinator), namespace=s.namespace, gpu_share=c.target_gpus,
+                dtype=s.compute_dtype, threads=threads, stages=c.target_gpus_per_replica,
+                stage_resources=stage_resources,
+                feature_cache=None if s.feature_cache is None else (s.train.feature_cache_dir, s.feature_cache),
+                top_k=s.train.distill_top_k if s.train.loss == "distill" else 0,
+                feature_width=s.target_hidden_size * len(s.drafter.target_layer_ids), keep_features=keep_features)
 
 
 def node_groups(worker_node_ids: list) -> list[tuple]:

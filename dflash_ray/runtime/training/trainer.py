@@ -66,6 +66,12 @@ def fit(run_spec, plans, num_buckets: int, *, progress: bool = True) -> FitOutco
     store, store_info = build_token_store(run_spec.shards, run_spec.vocab_size, block_mb=c.token_block_mb,
                                           cache_mb=c.token_cache_mb)
     tokens_ref = ray.put(store)
+    offline = None
+    if run_spec.features == "offline":   # the target's pass first, on every target slot (stream/offline.py)
+        from dflash_ray.runtime.stream.offline import compute_offline_features
+
+        offline = compute_offline_features(run_spec, DatasetFactory(run_spec, plans, tokens_ref).feed().table,
+                                           tokens_ref)
     data_ctx = DataContext.get_current()
     data_ctx.enable_progress_bars = False  # our own progress line says what matters; Ray Data's bars flood job logs
     exec_opts = data_ctx.execution_options
@@ -103,7 +109,8 @@ def fit(run_spec, plans, num_buckets: int, *, progress: bool = True) -> FitOutco
                     break
         report, flight = ray.get([record.report.remote(), coord.report.remote()])
         admits = {k: round(t - report["started"], 3) for k, t in flight.pop("first_admit").items()}
-        report = {**report, **flight, "timeline": {**report["timeline"], **admits}, "token_store": store_info.as_dict()}
+        report = {**report, **flight, "timeline": {**report["timeline"], **admits}, "token_store": store_info.as_dict(),
+                  "offline_features": offline}
         ray.get(record.close.remote())
     finally:
         ray.kill(coord)  # the names are free for a rerun of this run from this process
