@@ -83,17 +83,20 @@ def timed(cmd: list[str], log: Path, env: dict | None = None) -> float:
 
 def run_ours(root: Path, w: dict, args, name: str = "ours", extra: tuple = ()) -> dict:
     """`dflash-ray train` on the regenerated conversations: prepare, plan, train, checkpoint, export."""
-    run = root / name
-    shutil.rmtree(run, ignore_errors=True)   # a rerun of the same run.name would resume, not train
+    run, cache = root / name, root / f"{name}-features"
+    for d in (run, cache):   # a rerun of the same run.name would resume, and a warm cache would skip the target
+        shutil.rmtree(d, ignore_errors=True)
     cmd = [str(OURS_BIN / "dflash-ray"), "train", *PRESET, f"data.input={w['regenerated']}", f"run.root={root}",
            f"run.name={name}", "model.compute_dtype=float32", "model.anchors_per_batch=null",
-           f"model.num_anchors={args.anchors_per_row}", f"train.epochs={args.epochs}", "train.heldout_every=0", *extra]
+           f"model.num_anchors={args.anchors_per_row}", f"train.epochs={args.epochs}", "train.heldout_every=0",
+           f"train.feature_cache_dir={cache}", *extra]
     seconds = timed(cmd, root / f"{name}.log", {"RAY_AUTH_MODE": "disabled"})
     s = json.loads((run / "summary.json").read_text())
     return {"trainer": "dflash-ray", "seconds": seconds, "steps": s["steps"], "context_tokens": s["tokens"],
             "block_tokens": s["block_tokens"], "final_loss": s["final_loss"], "drafter": s["export"],
             "phases": {p["phase"]: p["seconds"] for p in s.get("phases", []) if "phase" in p},
             "features": s.get("features"), "feature_cache": s.get("feature_cache"),
+            "offline_features": s.get("offline_features"),
             "target_tokens": sum(t["tokens"] for t in (s.get("target_actors") or {}).values()),
             "command": " ".join(cmd)}
 
@@ -259,6 +262,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-prompts", type=int, default=32)
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--json", help="also write the runs and the table as JSON")
+    ap.add_argument("--ours-also", action="append", default=[], metavar="FEATURES",
+                    help="also run ours with train.features=FEATURES (e.g. online), after the preset's auto")
     args = ap.parse_args(argv)
     if not (PEERS_BIN / "specforge").exists():
         print(f"no peers' venv at {PEERS_BIN.parent}: run ./benchmarks/peers/setup.sh first", file=sys.stderr)
@@ -276,7 +281,13 @@ def main(argv=None) -> int:
     print(f"specforge: {theirs['seconds']:.0f} s", flush=True)
     nvidia = run_modelopt(root, shape, args, rows_per_step, theirs["dump_seconds"])
     print(f"modelopt: {nvidia['seconds']:.0f} s", flush=True)
-    runs = [ours, theirs, nvidia]
+    more = []
+    for mode in args.ours_also:
+        r = run_ours(root, w, args, name=f"ours-{mode}", extra=(f"train.features={mode}",))
+        r["trainer"] = f"dflash-ray (train.features={mode})"
+        print(f"{r['trainer']}: {r['seconds']:.0f} s", flush=True)
+        more.append(r)
+    runs = [ours, theirs, nvidia, *more]
     taus = heldout_tau({r["trainer"]: r["drafter"] for r in runs}, w, args.max_prompts, args.max_new_tokens)
     print("\n| trainer | wall s to the same trained tokens | context tokens | trained block tokens | held-out tau "
           "| outputs equal to greedy |\n|---|---|---|---|---|---|")
@@ -290,6 +301,9 @@ def main(argv=None) -> int:
     print(f"Model Optimizer's wall time: the same dump {nvidia['dump_seconds']:.0f} s, training and export "
           f"{nvidia['train_seconds']:.0f} s ({nvidia['steps']} steps); dflash-ray / Model Optimizer wall: "
           f"{ours['seconds'] / nvidia['seconds']:.2f}")
+    print(f"dflash-ray's features: {ours['features']}; its phases: {ours['phases']}")
+    for r in more:
+        print(f"{r['trainer']}: {r['seconds']:.0f} s, / the preset's: {r['seconds'] / ours['seconds']:.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"args": vars(args), "rows_per_step": rows_per_step,
                                                "runs": runs, "tau": taus}, indent=1))
