@@ -313,7 +313,7 @@ def main(argv=None) -> int:
 
     from dflash_ray.config import compose_config
     from dflash_ray.sizing.capacity import SEED_RUN
-    from dflash_ray.runtime.record.record import record_actor_name
+    from dflash_ray.runtime.coordinator import record_actor_name
     from dflash_ray.runtime.spec import coordinator_name
     from dflash_ray.train import main_job
 

@@ -56,7 +56,7 @@ def plain_row(p, run_spec, row):
     (this thread's) of its target forward."""
     import numpy as np
 
-    from dflash_ray.runtime.stream.pipeline import target_context
+    from dflash_ray.runtime.stream.target_forward import target_context
     from dflash_ray.runtime.stream.rows import TrainRow, token_row
 
     lengths = np.asarray(row["lengths"])

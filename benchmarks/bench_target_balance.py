@@ -5,7 +5,7 @@
 The CPU default's data (the embedded default's synthetic corpus and buckets, prepared under a temporary run
 directory) is planned twice: with the attention term (`data.attention_tokens` from the target's shape, the
 default) and with the token budget only (`data.attention_tokens=0`). Every batch of each plan runs through
-the target actor's own forward (`pipeline.target_context` on `load_feature_extractor`, the tiny default
+the target actor's own forward (`target_forward.target_context` on `load_feature_extractor`, the tiny default
 target's shape, random weights, one thread as an actor has); a batch's time is the median of --repeats
 runs. The table shows the mean busy time per batch by bucket, relative to the plan's mean batch, next to
 the planner's predicted `target cost`.
@@ -31,7 +31,7 @@ GOAL = 1.5
 
 
 def measure(plan, extract, repeats: int, rng) -> dict:
-    from dflash_ray.runtime.stream.pipeline import target_context
+    from dflash_ray.runtime.stream.target_forward import target_context
 
     vocab = int(extract.config.vocab_size)
     busy = np.zeros(plan.num_batches)

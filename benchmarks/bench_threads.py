@@ -8,7 +8,7 @@ starts and stops itself (a busy loop). dflash_ray/threads.py's defaults come fro
 
 Each cell is a fresh process (OpenMP reads its wait policy once, at load) that builds its inputs, runs one
 untimed unit, then times --repeat units; the figure is milliseconds per unit (lower is better). The kinds,
-with the demo world's shapes (conf/model/tiny.yaml: a 6-layer, 64-wide target, vocabulary 512):
+with the demo world's shapes (dflash_ray/conf/model/tiny.yaml: a 6-layer, 64-wide target, vocabulary 512):
 
     driver      the demo target's training: one AdamW step on a 4,096-token batch (16 x 256)
     regenerate  generate(): 32 prompts of 40 tokens, 64 new tokens each (greedy, KV cache)

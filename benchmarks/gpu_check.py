@@ -105,7 +105,7 @@ def check_collective(device, parallelism: str = "ddp") -> dict:
                "parallelism": parallelism, "loss": result.loss, "train_tau": result.train_tau,
                "seconds": time.perf_counter() - t0}
         if parallelism == "fsdp":   # the checkpoint's gather: whole tensors on the host, all finite
-            from dflash_ray.runtime.training.checkpoint import gather_state
+            from dflash_ray.runtime.training.checkpoint_format import gather_state
 
             snap = gather_state(drafter, opt, sched, 0)
             out["gathered_tensors"] = len(snap.weights)
@@ -137,7 +137,7 @@ def check_features(device) -> dict:
 def check_checkpoint(device) -> dict:
     import torch
 
-    from dflash_ray.runtime.training.checkpoint import load_checkpoint, write_checkpoint
+    from dflash_ray.runtime.training.checkpoint_format import load_checkpoint, write_checkpoint
     from dflash_ray.runtime.stream.feed import Cursor
     from dflash_ray.runtime.training.model import lr_lambda
 

@@ -10,7 +10,7 @@ GPU machine; its CPU path (--cpu-small: a tiny target, a local CPU cluster) runs
              one epoch (an epoch end with filler rows), two stream segments (one segment change: actors and
              trainers restarted, the checkpoint restored), a full-size checkpoint at the boundary and the end
     bare     the runtime's own pieces without Ray, in this process, on the same plan batches the job trained
-             at the same steps: the target's forward (`pipeline.target_context`: the attention mask, the bf16
+             at the same steps: the target's forward (`target_forward.target_context`: the attention mask, the bf16
              encoding and its device-to-host copy), the row as a trainer decodes it (host-to-device copy), and
              `step.train_step` on `model.build_model` (DDP world of one, fused AdamW, compiled layers)
     report   one JSON (gpu_ray_check.json) and a table: the job's steps (wait vs compute, compiled graphs,
@@ -198,7 +198,7 @@ def bare_pieces(overrides: list[str], window: tuple[int, int], warmup: int) -> d
     from dflash_ray.data.shards import read_all
     from dflash_ray.model.target import load_feature_extractor
     from dflash_ray.runtime.spec import resolve_spec
-    from dflash_ray.runtime.stream.pipeline import target_context
+    from dflash_ray.runtime.stream.target_forward import target_context
     from dflash_ray.runtime.stream.rows import TrainRow
     from dflash_ray.runtime.training.model import build_model
     from dflash_ray.runtime.training.step import train_step

@@ -94,7 +94,7 @@ HELP = {
         "Greedy speculative decoding of an exported drafter against its target: tau (mean accepted + 1 per "
         "cycle), its distribution, target time saved, and a check that the output equals plain greedy decoding "
         "(exit 1 if it does not, in fp32). Progress per prompt on stderr.",
-        ("drafter", "target", "data.prompts", "data.tokenizer", "eval.max_new_tokens", "eval.max_prompts")),
+        ("drafter", "model.target_path", "data.prompts", "data.tokenizer", "eval.max_new_tokens", "eval.max_prompts")),
     "export": (
         "rewrite <run.dir>/export/ from the run's latest checkpoint",
         "Rewrite <run.dir>/export/ (a Hugging Face-format drafter the reference dflash package, SGLang and vLLM "
@@ -116,7 +116,7 @@ HELP = {
 }
 
 USAGE = "dflash-ray <command> [--cfg job] [--json] [--debug] [overrides...]"
-OVERRIDES = ("Overrides use Hydra's grammar on the config in conf/: a.b=1, ++a.b=1, ~a.b (back to its default), "
+OVERRIDES = ("Overrides use Hydra's grammar on the config in dflash_ray/conf/: a.b=1, ++a.b=1, ~a.b (back to its default), "
              "group=option, lists [1,2] and dicts {a: 1}; +name=1 adds a key at the root. --cfg job prints the "
              "composed config and exits. Bad input or config: one line on stderr naming the key, file or row, exit "
              "code 2 (--debug shows the traceback).")
@@ -331,7 +331,7 @@ def _dispatch(cmd: str, args) -> int:
 
         overrides, args.export = take_export_override(overrides)
     if cmd == "compare":  # KEY=V1,V2 (and keys swept with it) are compare's; the base config is the rest
-        from dflash_ray.runtime.jobs.compare import take_sweeps
+        from dflash_ray.compare import take_sweeps
 
         args.sweeps, overrides = take_sweeps(args.sweep, overrides)
         args.overrides = overrides
@@ -475,7 +475,7 @@ def target_shape_source(cfg) -> str:
             raise UserError(f"config key 'model.target_path': {m.target_path} is not a directory with a "
                             "config.json (plan reads the target's shape there)")
         return str(config_json)
-    from dflash_ray.runtime.record.layout import RunLayout
+    from dflash_ray.run_layout import RunLayout
 
     built = RunLayout(cfg.run.dir).target / "config.json"
     if built.is_file():
@@ -561,7 +561,7 @@ def train_command(cfg, args) -> int:
 def compare_orders_command(cfg, args) -> int:
     """The same drafter trained once per interleave strategy with the same budget, side by side."""
     from dflash_ray.data.interleave import STRATEGIES
-    from dflash_ray.runtime.jobs.compare import compare_orders
+    from dflash_ray.compare import compare_orders
 
     strategies = list(STRATEGIES)
     if args.strategies is not None:
@@ -577,14 +577,14 @@ def compare_orders_command(cfg, args) -> int:
 
 def compare_command(cfg, args) -> int:
     """One config key's values trained side by side (compare-orders is compare data.interleave=...)."""
-    from dflash_ray.runtime.jobs.compare import compare
+    from dflash_ray.compare import compare
 
     log = (lambda *a, **k: print(*a, file=sys.stderr, **k)) if args.json else print
     return _print_comparison(compare(cfg, args.sweeps, list(args.overrides), log=log), args.json)
 
 
 def _print_comparison(result: dict, as_json: bool) -> int:
-    from dflash_ray.runtime.jobs.compare import format_comparison, report_row
+    from dflash_ray.compare import format_comparison, report_row
 
     if as_json:
         print(json.dumps({k: report_row(v) for k, v in result["rows"].items()}, indent=2))
@@ -597,10 +597,10 @@ def _print_comparison(result: dict, as_json: bool) -> int:
 
 def export_command(cfg, args) -> int:
     """Export the latest checkpoint of a run (local or remote storage) to <run.dir>/export."""
-    from dflash_ray.runtime.record.layout import RunLayout
+    from dflash_ray.run_layout import RunLayout
     from dflash_ray.runtime.record.summary import model_card_facts
     from dflash_ray.runtime.spec import resolve_spec
-    from dflash_ray.runtime.training.checkpoint import export_latest
+    from dflash_ray.runtime.training.export import export_latest
 
     # the checkpoint and the drafter's shape only: the shards are not read (they may have changed or be gone)
     run_spec = resolve_spec(cfg, log=lambda *a, **k: None, inputs=False)
@@ -645,15 +645,23 @@ def format_eval(s: dict) -> str:
 def eval_command(cfg, args) -> int:
     """Greedy speculative decoding of an exported drafter against its target: tau, its distribution,
     target time saved, and a check that the output equals plain greedy decoding (exit 1 if not, in fp32)."""
+    from omegaconf import OmegaConf
+
     from dflash_ray.config import require
     from dflash_ray.data.prepare import template_kwargs
     from dflash_ray.data.prompts import find_tokenizer, read_prompts
     from dflash_ray.model.generation import declared_end_token_ids
     from dflash_ray.model.evaluate import evaluate_acceptance
-    from dflash_ray.sizing.memory import text_config
+    from dflash_ray.hf_config import text_config
 
-    drafter_dir, target_dir = require(cfg, "drafter"), require(cfg, "target")
-    for key, d in (("drafter", drafter_dir), ("target", target_dir)):
+    drafter_dir = require(cfg, "drafter")
+    # the target: model.target_path, as everywhere else (`target=` is eval's shorter alias)
+    target_key = "target" if cfg.target is not None else "model.target_path"
+    if cfg.target is None and OmegaConf.select(cfg, "model.target_path", throw_on_missing=False) is None:
+        raise UserError("config key 'model.target_path' must be set: the target's Hugging Face directory "
+                        "(or target=DIR, its alias for eval)")
+    target_dir = str(cfg.target if cfg.target is not None else cfg.model.target_path)
+    for key, d in (("drafter", drafter_dir), (target_key, target_dir)):
         if not (Path(d) / "config.json").exists():
             raise UserError(f"{d}: no config.json (config key '{key}' must name a Hugging Face-format directory)")
     tcfg, dcfg = (json.loads((Path(d) / "config.json").read_text()) for d in (target_dir, drafter_dir))

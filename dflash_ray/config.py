@@ -1,5 +1,6 @@
-"""Config: OmegaConf groups under conf/, composed with Hydra's compose API and override grammar,
-validated against typed dataclasses before anything else starts.
+"""Config: OmegaConf groups under conf/ (dflash_ray/conf/, package data: an installed wheel carries its
+presets), composed with Hydra's compose API and override grammar, validated against typed dataclasses before
+anything else starts. $DFLASH_RAY_CONF points it at another directory of groups (a cluster's own presets).
 
 The dataclasses below hold every key and its one default, each with a line saying what it is. The YAML
 under conf/ sets only what differs: conf/config.yaml picks the group options, and each option
@@ -34,7 +35,7 @@ from dflash_ray.data.interleave import STRATEGIES
 from dflash_ray.errors import UserError
 from dflash_ray.required import require  # noqa: F401  (re-exported: config.require, the value at a key or one line naming it)
 
-CONF_DIR = Path(os.environ.get("DFLASH_RAY_CONF", Path(__file__).resolve().parent.parent / "conf"))
+CONF_DIR = Path(os.environ.get("DFLASH_RAY_CONF", Path(__file__).resolve().parent / "conf"))
 
 
 # ----------------------------------------------------------------------------- typed schema
@@ -182,8 +183,8 @@ class TrainConfig:
     recompute_layers: bool = False  # activation checkpointing of the drafter's layers: recompute in backward
     # the target's features: online (every epoch through the target actors) | hybrid (each sample's computed
     # once, cached on the node, read back after) | offline (hybrid, every sample computed first, before the
-    # drafter starts: the target and the drafter each get every core in turn) | auto (the real presets'
-    # choice: offline on CPUs, hybrid on GPUs for 2+ epochs, when the cache fits). Online by default: the
+    # drafter starts, on every target slot) | auto (hybrid for runs of 2+ epochs whose cache fits; the real
+    # presets' choice). Online by default: the
     # cache's features equal online's up to float rounding (another batch shape), and the embedded default's
     # runs stay bit for bit reproducible
     features: str = "online"
@@ -325,7 +326,7 @@ def _known_keys() -> List[str]:
 
 
 def _compose_raw(overrides: List[str]) -> DictConfig:
-    """conf/config.yaml with its options and the overrides, untyped: only the keys the YAML names (the
+    """dflash_ray/conf/config.yaml with its options and the overrides, untyped: only the keys the YAML names (the
     schema's defaults are merged in by compose_config). For the user every key of the schema exists: an
     override of a key the YAML leaves at its default is applied as `++key=value` (set or add), and `~key`
     of such a key deletes what the YAML set, if anything (the key then takes the schema's default)."""
@@ -382,8 +383,27 @@ def _typed_overrides(overrides: List[str]) -> tuple[List[str], List[str]]:
     return kept, deletes
 
 
+KNOWN_TRACKERS = ("tensorboard", "mlflow", "wandb")   # train.trackers' choices (runtime/record/trackers.py)
+
+
+def chosen_trackers(train) -> list[str]:
+    """The trackers a train config asks for: train.trackers, plus tensorboard when the older
+    `train.tensorboard: true` is set (an alias). Names checked (UserError naming train.trackers)."""
+    names = list(getattr(train, "trackers", None) or [])
+    if getattr(train, "tensorboard", False):
+        names.append("tensorboard")
+    out = []
+    for n in names:
+        n = str(n).strip().lower()
+        if n not in KNOWN_TRACKERS:
+            raise UserError(f"config key 'train.trackers': '{n}' is not one of {', '.join(KNOWN_TRACKERS)}")
+        if n not in out:
+            out.append(n)
+    return out
+
+
 def compose_config(overrides: List[str] | None = None) -> DictConfig:
-    """Compose conf/config.yaml with Hydra overrides, validate types, return a resolved DictConfig."""
+    """Compose dflash_ray/conf/config.yaml with Hydra overrides, validate types, return a resolved DictConfig."""
     overrides = list(overrides or [])
     try:
         cfg = _compose_raw(overrides)
@@ -422,7 +442,6 @@ def compose_config(overrides: List[str] | None = None) -> DictConfig:
 def _check_rules(cfg: DictConfig) -> None:
     """Rules between keys (and choices a table does not say)."""
     from dflash_ray.data.plan import PlanSpec
-    from dflash_ray.runtime.record.trackers import chosen
 
     PlanSpec.from_config(cfg)  # validated: bucket boundaries ascending, the batch budget holds the longest bucket
     c, t = cfg.cluster, cfg.train
@@ -439,7 +458,7 @@ def _check_rules(cfg: DictConfig) -> None:
         raise UserError("config key 'train.checkpoint_every_minutes': checkpoints are off (it and "
                         "train.checkpoint_every are both 0/null): set one of them (a restart would retrain "
                         "whole epochs)")
-    chosen(t)  # unknown tracker names
+    chosen_trackers(t)  # unknown tracker names
     if t.wandb_mode is not None and t.wandb_mode not in ("online", "offline", "disabled"):
         raise UserError(f"config key 'train.wandb_mode': '{t.wandb_mode}' is not one of online, offline, disabled")
     per_step = c.drafter_workers * t.grad_accum

@@ -1,8 +1,8 @@
 """`dflash-ray push REPO_ID [export=DIR] [--private]`: publish an export to the Hugging Face hub with
 huggingface_hub (`HfApi.create_repo(exist_ok=True)`, then `upload_folder` of the export's files).
 
-The folder must be an export: config.json, model.safetensors and README.md (the model card
-`export_drafter` writes). Before the upload the card is rewritten to name REPO_ID in its serve commands
+The folder must be an export: config.json, model.safetensors, README.md (the model card `export_drafter`
+writes) and the drafter's code that transformers' trust_remote_code loads (model/export.py SHIPPED). Before the upload the card is rewritten to name REPO_ID in its serve commands
 (its run facts kept, read from its front matter). The token is huggingface_hub's (`hf auth login`, or
 HF_TOKEN); the hub is HF_ENDPOINT's. A missing token, a bad repo id, an unreachable hub or a refusal by it:
 one line, exit code 2.
@@ -13,8 +13,9 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from dflash_ray.errors import UserError
+from dflash_ray.model.export import SHIPPED
 
-EXPORT_FILES = ("config.json", "model.safetensors", "README.md")
+EXPORT_FILES = ("config.json", "model.safetensors", "README.md", *SHIPPED)
 EXPORT_OVERRIDE = "export="
 
 
@@ -27,7 +28,7 @@ def export_files(export_dir: str) -> list[str]:
     missing = [name for name in EXPORT_FILES if not (folder / name).is_file()]
     if missing:
         raise UserError(f"{export_dir}: not an export of dflash-ray (missing {', '.join(missing)}; "
-                        "`dflash-ray export` writes all three)")
+                        "`dflash-ray export` writes them all)")
     return list(EXPORT_FILES)
 
 
@@ -121,7 +122,7 @@ def take_export_override(overrides: list[str]) -> tuple[list[str], str | None]:
 def push_command(cfg, args) -> int:
     """`dflash-ray push REPO_ID [export=DIR] [--private] [overrides]`: the run's export (<run.dir>/export,
     or DIR) to the hub."""
-    from dflash_ray.runtime.record.layout import RunLayout
+    from dflash_ray.run_layout import RunLayout
 
     export_dir = getattr(args, "export", None) or str(RunLayout(cfg.run.dir).export)
     url = push(export_dir, args.repo_id, private=bool(getattr(args, "private", False)))

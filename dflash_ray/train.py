@@ -36,15 +36,15 @@ def main_job(cfg, *, progress: bool = True, log=print, plan_log=print, startup_s
     from dflash_ray.runtime.cluster import check_resources, ray_cluster
     from dflash_ray.runtime.record import trackers
     from dflash_ray.runtime.record.heldout import final_tau
-    from dflash_ray.runtime.record.layout import RunLayout
+    from dflash_ray.run_layout import RunLayout
     from dflash_ray.runtime.record.phases import PhaseClock
     from dflash_ray.model.export import write_model_card
     from dflash_ray.paths import resolve_model_paths
     from dflash_ray.runtime.record.summary import build_summary, model_card_facts
     from dflash_ray.runtime.plan_sizing import choose_parallelism
     from dflash_ray.runtime.spec import RunPlans, resolve_spec, with_parallelism
-    from dflash_ray.runtime.training.checkpoint import export_latest
-    from dflash_ray.runtime.training.trainer import fit
+    from dflash_ray.runtime.training.export import export_latest
+    from dflash_ray.runtime.fit import fit
 
     required = sorted(OmegaConf.missing_keys(cfg) & {"data.tokenizer", "data.shards", "model.target_path"})
     if required:  # before Ray starts: a run that cannot resolve should not cost a cluster start

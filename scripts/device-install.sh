@@ -63,8 +63,7 @@ if ! "$PY" -m pip install --no-index --find-links "$WH" --no-compile --disable-p
 fi
 t1=$(date +%s.%N)
 
-# The project: editable from this tree (the source that travelled; dflash_ray finds conf/ beside its package,
-# so a plain wheel would not do); where that fails (no setuptools >= 68 there), a .pth file puts the tree on
+# The project: editable from this tree (the source that travelled is what runs); where that fails (no setuptools >= 68 there), a .pth file puts the tree on
 # sys.path: `python3 -m dflash_ray` works, the `dflash-ray` command is then missing
 if ! "$PY" -m pip install --no-index --no-deps --no-build-isolation --no-compile --disable-pip-version-check -q \
     -e . >>"$log" 2>&1; then

@@ -342,8 +342,7 @@ def closure(resolved: list[dict], roots=ROOTS, image=DEVICE_IMAGE_PACKAGES, skip
 def build(out: Path, cache: Path, budget_mib: float, py: str, skip=SKIP, also=()) -> int:
     """Resolve, download (into `cache`, reused), trim Ray, copy into `out`, write the manifest; 2 when over
     the budget. `also`: image packages to carry all the same (one too old there). No wheel of the project:
-    it finds conf/ beside its package (dflash_ray/config.py's CONF_DIR), which an installed wheel would lack;
-    scripts/device-install.sh installs the travelled tree editable instead."""
+    scripts/device-install.sh installs the travelled tree editable (the source that travelled is what runs)."""
     t0 = time.time()
     cache.mkdir(parents=True, exist_ok=True)
     for spec in SDIST_ONLY:

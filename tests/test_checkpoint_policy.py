@@ -173,7 +173,7 @@ def test_save_checkpoint_hands_a_whole_directory_after_the_ledger(monkeypatch, u
 def _check_handed_over(events, seen, cost, upload):
     import ray.train
 
-    from dflash_ray.runtime.training.checkpoint import read_state
+    from dflash_ray.runtime.training.checkpoint_format import read_state
 
     assert events == [("before_register", ["checkpoint_bytes", "checkpoint_write", "checkpoint_write_seconds"]), "report"]
     assert seen["files"] == ["drafter.safetensors", "optim.pt", "rng_rank0.pt", "state.json"]
@@ -265,7 +265,7 @@ def test_the_record_keeps_checkpoint_cost(ray_session, tmp_path):
 def test_unregistered_checkpoint_directories_are_removed_and_registered_ones_kept(tmp_path):
     import json
 
-    from dflash_ray.runtime.training.checkpoint import SNAPSHOT, remove_unregistered_checkpoints
+    from dflash_ray.runtime.registered import SNAPSHOT, remove_unregistered_checkpoints
 
     exp = tmp_path / "run"
     for d in ("checkpoint_a", "checkpoint_b", "checkpoint_c", "checkpoint_pending", "not_a_checkpoint"):
@@ -296,7 +296,9 @@ def test_async_checkpoint_writes_a_snapshot_of_the_step_in_the_upload_thread(mon
     import ray.train
     from safetensors.torch import load_file
 
-    from dflash_ray.runtime.training.checkpoint import HostBuffers, read_state, save_checkpoint
+    from dflash_ray.runtime.training.checkpoint import save_checkpoint
+
+    from dflash_ray.runtime.training.checkpoint_format import HostBuffers, read_state
 
     model, opt, sched = _model()
 

@@ -58,7 +58,7 @@ def _schema_comment(field: str) -> str:
     ("plan", ["data.shards", "model.target_path", "model.max_block_tokens_per_batch", "model.anchors_per_batch",
               "cluster.device_memory_gb"],
      "--check validates every token"),
-    ("eval", ["drafter", "target", "data.prompts", "eval.max_new_tokens"], "exit 1 if it does not, in fp32"),
+    ("eval", ["drafter", "model.target_path", "data.prompts", "eval.max_new_tokens"], "exit 1 if it does not, in fp32"),
     ("regenerate", ["data.input", "model.target_path", "regenerate.output", "regenerate.max_new_tokens", "regenerate.on_max_tokens"],
      "Every case is counted by reason"),
     ("train", ["model.target_path", "train.epochs", "train.storage_path", "run.name"], "With no arguments"),

@@ -14,7 +14,7 @@ from helpers_cluster import RUNTIME_RUN
 
 from dflash_ray.data.interleave import STRATEGIES
 from dflash_ray.errors import UserError
-from dflash_ray.runtime.jobs.compare import bucket_usage, equal_time, parse_sweep, roughness, take_sweeps, tau_curve
+from dflash_ray.compare import bucket_usage, equal_time, parse_sweep, roughness, take_sweeps, tau_curve
 
 
 def test_roughness_by_hand():

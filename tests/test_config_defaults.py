@@ -1,4 +1,4 @@
-"""One home for every default: the typed schema (dflash_ray/config.py). The YAML under conf/ picks the group
+"""One home for every default: the typed schema (dflash_ray/config.py). The YAML under dflash_ray/conf/ picks the group
 options, and an option sets only the keys whose value differs from the schema's default; what a user gets
 composed stays what the YAML gave before the defaults moved (the expected values below are written out by
 hand from the options as they were, not read from the code under test)."""

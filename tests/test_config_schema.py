@@ -66,5 +66,5 @@ def test_job_scripts_name_every_required_key():
 
     required = OmegaConf.missing_keys(compose_config(["model=qwen3_8b", "data=sharegpt"])) - {"data.input"}
     for script in ("8gpu.sh", "multinode.sh"):
-        usage = (CONF_DIR.parent / "jobs" / script).read_text()
+        usage = (CONF_DIR.parent.parent / "jobs" / script).read_text()
         assert all(f"{key}=" in usage for key in required), (script, required)

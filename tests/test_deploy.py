@@ -276,10 +276,12 @@ def test_dockerfile_base_image_matches_the_pins():
 
 
 @pytest.mark.slow   # pip installs the project into a throwaway venv
-def test_install_script_runs_here(tmp_path):
-    """deploy/install.sh as the Dockerfile RUNs it (in WORKDIR, on the files it COPYs, PROJECT_DIR=.), into
-    a fresh environment that sees .venv's packages (no index: torch, Ray and dflash are already there), then
-    the RayJob's entrypoint composed by the installed copy with the image's DFLASH_RAY_CONF."""
+def test_install_script_runs_here(tmp_path, tiny_data):
+    """deploy/install.sh as the Dockerfile RUNs it (in WORKDIR, on the files it COPYs, PROJECT_DIR=.): pip
+    builds the project's wheel and installs it (not editable) into a fresh environment that sees .venv's
+    packages (no index: torch, Ray and dflash are already there). Then, outside any source tree, the
+    installed copy finds its own presets: the RayJob's entrypoint composes, and the installed `dflash-ray`
+    command prints a real preset's config and plans the tiny shards."""
     workdir = re.search(r"^WORKDIR (\S+)$", dockerfile(), re.M).group(1)
     project = tmp_path / "image" / workdir.lstrip("/")
     for line in re.findall(r"^COPY (.+)$", dockerfile(), re.M):
@@ -308,11 +310,25 @@ def test_install_script_runs_here(tmp_path):
     last = out.stdout.strip().splitlines()[-1]
     # the project went into the new environment (not .venv's editable copy), beside .venv's Ray and torch
     assert last.startswith(f"installed: dflash-ray 0.1.0 ({site}/dflash_ray), ray {pinned_ray()}, torch 2.13.0"), last
-    conf = re.search(r"DFLASH_RAY_CONF=(\S+)", dockerfile()).group(1)
+    from omegaconf import OmegaConf
+
+    env = {k: v for k, v in os.environ.items() if k not in ("DFLASH_RAY_CONF", "PYTHONPATH")}   # the installed copy only
     overrides = shlex.split(load_yaml(DEPLOY / "kuberay" / "rayjob.yaml")["spec"]["entrypoint"])[3:]
     code = ("import sys, dflash_ray.config as c; cfg = c.compose_config(sys.argv[1:]); "
             "print(c.__file__, c.CONF_DIR, cfg.cluster.name, cfg.model.name)")
-    composed = subprocess.run([str(py), "-c", code, *overrides], cwd=tmp_path, capture_output=True, text=True,
-                              env={**os.environ, "DFLASH_RAY_CONF": str(tmp_path / "image" / conf.lstrip("/"))})
+    composed = subprocess.run([str(py), "-c", code, *overrides], cwd=tmp_path, capture_output=True, text=True, env=env)
     assert composed.returncode == 0, composed.stderr[-2000:]
-    assert composed.stdout.split() == [f"{site}/dflash_ray/config.py", str(project / "conf"), "8gpu", "qwen3_8b"]
+    assert composed.stdout.split() == [f"{site}/dflash_ray/config.py", f"{site}/dflash_ray/conf", "8gpu", "qwen3_8b"]
+    # the installed command: every preset group is there (a real preset's values, not the schema's defaults)
+    cmd = str(venv / "bin" / "dflash-ray")
+    job = subprocess.run([cmd, "train", "--cfg", "job", "model=qwen3_8b", "cluster=8gpu"], cwd=tmp_path,
+                         capture_output=True, text=True, env=env)
+    assert job.returncode == 0, job.stderr[-2000:]
+    printed = OmegaConf.create(job.stdout)
+    assert printed.model.name == "qwen3_8b" and printed.cluster.target_workers == 6 and printed.train.epochs == 6
+    for group in ("model", "data", "cluster", "train"):   # each option shipped, none left behind
+        shipped = sorted(q.name for q in Path(site, "dflash_ray", "conf", group).glob("*.yaml"))
+        assert shipped == sorted(q.name for q in (REPO / "dflash_ray" / "conf" / group).glob("*.yaml")), group
+    plan = subprocess.run([cmd, "plan", "--json", *tiny_data], cwd=tmp_path, capture_output=True, text=True, env=env)
+    assert plan.returncode == 0, plan.stderr[-2000:]
+    assert json.loads(plan.stdout)["tokens"] > 0

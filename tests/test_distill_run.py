@@ -16,7 +16,7 @@ from helpers_cluster import RUNTIME_RUN
 from dflash_ray.model.target import load_target
 from dflash_ray.runtime.stream.feature_cache import FeatureCache, soft_label_key
 from dflash_ray.runtime.stream.rows import decode_soft_labels
-from dflash_ray.runtime.training.checkpoint import load_weights
+from dflash_ray.runtime.training.checkpoint_format import load_weights
 from test_feature_cache_run import assert_same_weights, computed_tokens
 
 pytestmark = pytest.mark.slow

@@ -95,7 +95,8 @@ def test_eval_reads_conversation_and_text_prompts_and_reports_tau(pair, capsys, 
     assert out["num_prompts"] == 3 and out["outputs_match_greedy"] is True
     assert sum(out["acceptance_histogram"]) == out["num_cycles"]
 
-    rc = run_command("eval", [f"drafter={drafter_dir}", f"target={target_dir}", f"data.prompts={prompts}",
+    # the target named as everywhere else (model.target_path); target= above is eval's alias
+    rc = run_command("eval", [f"drafter={drafter_dir}", f"model.target_path={target_dir}", f"data.prompts={prompts}",
                               f"data.tokenizer={tokdir}", "eval.max_new_tokens=6", "eval.max_prompts=1"])
     text = capsys.readouterr().out
     assert rc == 0 and "1 prompts" in text and "output equals plain greedy decoding     : yes" in text
@@ -113,6 +114,8 @@ def test_eval_bad_inputs_exit_2_with_one_line(pair, tmp_path, capsys):
     assert rc == 2 and "no config.json" in capsys.readouterr().err
     rc = run_command("eval", [f"target={target_dir}", f"data.prompts={bad}"])
     assert rc == 2 and "config key 'drafter' must be set" in capsys.readouterr().err
+    rc = run_command("eval", [f"drafter={drafter_dir}", f"data.prompts={bad}"])
+    assert rc == 2 and "config key 'model.target_path' must be set" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("row,expect", [

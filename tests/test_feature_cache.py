@@ -100,12 +100,8 @@ def test_train_features_answered_by_size_budget_disk_and_epochs():
     assert choose_features("hybrid", 1, gib, 64, None)[0] == "hybrid"    # asked for: written for later runs
     with pytest.raises(UserError, match="config key 'train.features'.*70.00 GiB.*train.feature_cache_gb=64"):
         choose_features("hybrid", 6, 70 * gib, 64, None)
-    # cores shared by the target and the drafter (a CPU run): auto computes the target's pass first, even for
-    # one epoch; on GPUs it stays as above; a cache that does not fit stays online, an asked-for one is refused
-    assert choose_features("auto", 1, gib, 64, None, shared_cores=True)[0] == "offline"
-    assert choose_features("auto", 6, gib, 64, None, shared_cores=True)[0] == "offline"
-    assert choose_features("online", 6, gib, 64, None, shared_cores=True)[0] == "online"
-    assert choose_features("auto", 6, 70 * gib, 64, None, shared_cores=True)[0] == "online"
+    # offline only when asked for (auto never takes it); refused like hybrid when it does not fit
     assert choose_features("offline", 1, gib, 64, None)[0] == "offline"
+    assert choose_features("offline", 6, gib, 64, None)[0] == "offline"
     with pytest.raises(UserError, match="config key 'train.features': offline needs 70.00 GiB"):
         choose_features("offline", 6, 70 * gib, 64, None)

@@ -12,9 +12,9 @@ from pathlib import Path
 import torch
 
 from helpers_cluster import RUNTIME_RUN
-from dflash_ray.runtime.record.layout import LEDGER
+from dflash_ray.run_layout import LEDGER
 from dflash_ray.runtime.record.ledger import read_jsonl
-from dflash_ray.runtime.training.checkpoint import load_weights
+from dflash_ray.runtime.training.checkpoint_format import load_weights
 
 
 def computed_tokens(summary) -> int:

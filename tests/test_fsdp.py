@@ -96,7 +96,7 @@ def _train(rank, ports, world, modes, root, out, ckpt):
     import torch.distributed as dist
 
     from dflash_ray.runtime.stream.feed import Cursor
-    from dflash_ray.runtime.training.checkpoint import gather_state, write_checkpoint, write_rank_files
+    from dflash_ray.runtime.training.checkpoint_format import gather_state, write_checkpoint, write_rank_files
 
     torch.set_num_threads(1)
     results = {}
@@ -127,7 +127,7 @@ def _resume(rank, ports, world, modes, root, out, ckpt):
     one more step. World 1 runs in the calling process, without a process group."""
     import torch.distributed as dist
 
-    from dflash_ray.runtime.training.checkpoint import load_checkpoint
+    from dflash_ray.runtime.training.checkpoint_format import load_checkpoint
 
     torch.set_num_threads(1)
     results = {}
@@ -211,7 +211,7 @@ def test_the_job_with_a_sharded_drafter_trains_the_ddp_runs_weights(train_run, j
     """train.parallelism=fsdp through the runtime (two Ray Train workers on gloo, gathered async checkpoints
     every 4 steps and at each epoch's end): every planned batch once, the reference (DDP) run's steps, and
     its final weights up to the order of float sums."""
-    from dflash_ray.runtime.training.checkpoint import load_weights, read_state
+    from dflash_ray.runtime.training.checkpoint_format import load_weights, read_state
     from helpers_cluster import RUNTIME_RUN
 
     _, s = train_run("fsdp", [*RUNTIME_RUN, "train.parallelism=fsdp"])

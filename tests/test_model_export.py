@@ -8,7 +8,7 @@ from safetensors import safe_open
 
 from dflash.model import DFlashDraftModel
 from dflash_ray.model.drafter import DrafterConfig, build_drafter
-from dflash_ray.model.export import export_drafter, load_drafter
+from dflash_ray.model.export import SHIPPED, export_drafter, load_drafter
 from dflash_ray.model.target import build_synthetic_target, load_embed_and_head, load_target
 from helpers_model import TINY_QWEN3
 
@@ -103,7 +103,7 @@ def test_target_dtype_reads_what_the_checkpoint_declares(tmp_path):
 def test_export_files_are_readable_by_others(exported):
     import stat
 
-    for name in ("model.safetensors", "config.json", "README.md"):
+    for name in ("model.safetensors", "config.json", "README.md", "modeling_dflash.py", "draft_core.py"):
         assert stat.S_IMODE(os.stat(f"{exported['dir']}/{name}").st_mode) == 0o644
     assert stat.S_IMODE(os.stat(exported["dir"]).st_mode) == 0o755
 
@@ -136,7 +136,7 @@ def test_export_writes_a_model_card_hub_loaders_read(exported, tmp_path):
 
     card = {**CARD, "target": _snapshot(tmp_path)}
     out = export_drafter(exported["drafter"], str(tmp_path / "carded"), card=card)
-    assert sorted(os.listdir(out)) == ["README.md", "config.json", "model.safetensors"]
+    assert sorted(os.listdir(out)) == sorted(["README.md", "config.json", "model.safetensors", *SHIPPED])
     loaded = ModelCard.load(f"{out}/README.md")
     meta = loaded.data.to_dict()
     assert meta["library_name"] == "dflash" and meta["base_model"] == "Qwen/Qwen3-8B"
@@ -211,8 +211,8 @@ def test_write_model_card_rewrites_the_card_only(exported, tmp_path):
 @pytest.mark.parametrize("dtype, name", [(None, "float32"), (torch.bfloat16, "bfloat16")])
 def test_config_has_the_fields_hub_loaders_read(exported, tmp_path, dtype, name):
     """architectures (the reference picks its class by it, SGLang and vLLM map it), model_type (AutoConfig),
-    dtype and torch_dtype (transformers 5 and 4) equal to the weights' dtype; no auto_map (no remote code:
-    the reference builds DFlashDraftModel itself)."""
+    dtype and torch_dtype (transformers 5 and 4) equal to the weights' dtype; auto_map to the code the export
+    ships (transformers' AutoModel path; the reference builds DFlashDraftModel itself and ignores it)."""
     from transformers import AutoConfig
 
     out = export_drafter(exported["drafter"], str(tmp_path / name), dtype=dtype)
@@ -221,7 +221,8 @@ def test_config_has_the_fields_hub_loaders_read(exported, tmp_path, dtype, name)
     with safe_open(f"{out}/model.safetensors", framework="pt") as f:
         stored = {str(f.get_tensor(k).dtype).replace("torch.", "") for k in f.keys()}
     assert stored == {name} and cfg["dtype"] == cfg["torch_dtype"] == name
-    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["model_type"] == "qwen3" and "auto_map" not in cfg
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["model_type"] == "qwen3"
+    assert cfg["auto_map"] == {"AutoModel": "modeling_dflash.DFlashDraftModel"}   # the shipped code (test_export_remote_code)
     auto = AutoConfig.from_pretrained(out)  # what the reference's loader reads first
     assert type(auto).__name__ == "Qwen3Config" and auto.architectures == ["DFlashDraftModel"]
     assert auto.dtype == getattr(torch, name)

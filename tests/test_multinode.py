@@ -18,7 +18,9 @@ import torch
 from helpers_cluster import RUNTIME_RUN
 from helpers_multinode import Cluster
 
-from dflash_ray.runtime.training.checkpoint import latest_checkpoint, load_weights
+from dflash_ray.runtime.training.checkpoint_format import load_weights
+
+from dflash_ray.runtime.registered import latest_checkpoint
 from dflash_ray.runtime.record.ledger import read_jsonl
 from dflash_ray.runtime.training.faults import TEST_FAULTS_ENV
 

@@ -24,8 +24,8 @@ from pathlib import Path
 import torch
 
 from helpers_cluster import RUNTIME_RUN, TrainRun, wait_for
-from dflash_ray.runtime.training.checkpoint import load_weights, read_state
-from dflash_ray.runtime.record.layout import LEDGER
+from dflash_ray.runtime.training.checkpoint_format import load_weights, read_state
+from dflash_ray.run_layout import LEDGER
 from dflash_ray.runtime.record.ledger import read_jsonl
 from dflash_ray.runtime.training.faults import TEST_FAULTS_ENV
 
@@ -33,7 +33,7 @@ from dflash_ray.runtime.training.faults import TEST_FAULTS_ENV
 def run_record(name):
     import ray
 
-    from dflash_ray.runtime.record.record import record_actor_name
+    from dflash_ray.runtime.coordinator import record_actor_name
     from dflash_ray.runtime.spec import coordinator_name
 
     def get():

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from dflash_ray.runtime.training.checkpoint import load_weights, read_state
+from dflash_ray.runtime.training.checkpoint_format import load_weights, read_state
 
 
 def steps_of(n_batches):

@@ -137,8 +137,8 @@ def test_lr_schedule_warmup_then_cosine_to_zero():
 def test_checkpoint_manifest_detects_incomplete(tmp_path):
     import torch
 
-    from dflash_ray.runtime.training.checkpoint import (IncompleteCheckpoint, load_checkpoint, read_state,
-                                               write_checkpoint, write_rank_files)
+    from dflash_ray.runtime.training.checkpoint_format import (IncompleteCheckpoint, load_checkpoint, read_state,
+                                                              write_checkpoint, write_rank_files)
 
     model = torch.nn.Linear(4, 3)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -164,10 +164,11 @@ def test_checkpoint_manifest_detects_incomplete(tmp_path):
 
 
 @pytest.mark.parametrize("uri", [False, True], ids=["path", "file-uri"])
-def test_checkpoint_lookup_reads_ray_trains_record_on_any_filesystem(tmp_path, uri):
+def test_checkpoint_lookup_reads_ray_trains_record_on_anyfilesystem(tmp_path, uri):
     """One reader (pyarrow's filesystem layer) for the cursor, the latest checkpoint and its files, so
     a URI storage path (s3://, gs://; file:// here) goes the same way as a local one."""
-    from dflash_ray.runtime.training.checkpoint import SNAPSHOT, cursor_metrics, latest_checkpoint, local_checkpoint
+    from dflash_ray.runtime.training.checkpoint_format import cursor_metrics
+    from dflash_ray.runtime.registered import SNAPSHOT, latest_checkpoint, local_checkpoint
 
     where = f"file://{tmp_path}" if uri else str(tmp_path)
     assert latest_checkpoint(where) == (Cursor(), None)
@@ -321,7 +322,7 @@ def test_flight_window_holds_a_step_two_rounds_and_the_report_slack(ray_session,
 
 
 def test_rank0_reports_at_start_on_time_and_before_the_window_runs_short():
-    from dflash_ray.runtime.record.client import COMMIT_INTERVAL_S, commit_due
+    from dflash_ray.runtime.training.record_client import COMMIT_INTERVAL_S, commit_due
 
     assert commit_due(0, 0.0, 2, 64)                        # the first step at once
     assert not commit_due(5, 0.01, 12, 64)                  # tiny steps: wait and send several

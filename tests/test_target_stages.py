@@ -75,7 +75,7 @@ def test_the_job_with_a_target_over_two_stages_trains_the_weights_of_one(train_r
     actor runs stage 0 and starts stage 1 beside it; the features are the unsplit target's, so the run ends
     with the reference run's weights, bit for bit. (The run also trains in two stream segments, which must
     not change a weight either: conftest.split_run.)"""
-    from dflash_ray.runtime.training.checkpoint import load_weights
+    from dflash_ray.runtime.training.checkpoint_format import load_weights
 
     from dflash_ray.runtime.record.ledger import read_jsonl
 

@@ -57,7 +57,7 @@ def world(root: Path) -> dict:
     from dflash_ray.demo.world import make_demo_inputs
     from dflash_ray.paths import resolve_model_paths
     from dflash_ray.runtime.cluster import ray_cluster
-    from dflash_ray.runtime.record.layout import RunLayout
+    from dflash_ray.run_layout import RunLayout
 
     cfg = compose_config([*PRESET, f"run.root={root}", "run.name=world"])
     resolve_model_paths(cfg)

@@ -1,4 +1,5 @@
 """Conversation inputs in the formats users have -> one normalised shape for a Hugging Face chat template.
+(Long on purpose: every format's reader sits beside the one shape they all produce.)
 
 Inputs (`expand_inputs`): a file, a directory (its *.jsonl, *.json and *.parquet files, sorted by name, not
 recursive; other files ignored), a glob pattern (matches sorted), a list of these (in the order given,

@@ -24,7 +24,7 @@ import pyarrow as pa
 from dflash_ray.data.buckets import assign_buckets, form_batches
 from dflash_ray.data.interleave import interleave_order, order_measures
 from dflash_ray.errors import UserError
-from dflash_ray.sizing.memory import text_config
+from dflash_ray.hf_config import text_config
 
 
 @dataclass
@@ -127,7 +127,7 @@ def target_fields(cfg) -> dict | None:
     m = cfg.model
     if not OmegaConf.is_missing(m, "target_path"):
         built = m.target_path is None
-        # <run.dir>/target: record/layout.py's TARGET (the data layer does not import the runtime)
+        # <run.dir>/target: run_layout.py's TARGET (the data layer imports nothing above it)
         config_json = (Path(cfg.run.dir) / "target" if built else Path(m.target_path)) / "config.json"
         if config_json.is_file():
             return json.loads(config_json.read_text())

@@ -1,5 +1,5 @@
 """The inputs a run makes itself, under its run directory, before its spec is resolved (train.py's step
-before `resolve_spec`; file names from runtime/record/layout.py). Made once: existing ones are reused.
+before `resolve_spec`; file names from run_layout.py). Made once: existing ones are reused.
 
     make_demo_inputs     no data given (data.input: null, the embedded default): the demo world, a
                          generated corpus, a byte-level BPE tokenizer trained on it, a tiny target
@@ -28,8 +28,8 @@ from dflash_ray.config import compute_dtype, require
 from dflash_ray.data.prepare import options_from_config, prepare, template_kwargs
 from dflash_ray.data.shards import list_shards
 from dflash_ray.data.synthetic import train_tokenizer, write_corpus
-from dflash_ray.runtime.record import layout as layout_names
-from dflash_ray.runtime.record.layout import RunLayout
+from dflash_ray import run_layout as layout_names
+from dflash_ray.run_layout import RunLayout
 from dflash_ray.runtime.record.phases import phase
 
 

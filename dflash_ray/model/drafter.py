@@ -6,25 +6,25 @@
     logits  = norm(block) @ lm_head^T                                      the target's frozen head
 
 Training runs up to `num_anchors` blocks per sample in one pass (mask rule in attention.py); inference
-(`extend_context` / `draft_logits`) runs one block against cached context keys/values, as the reference does.
+(draft_core.py, shipped with every export: `extend_context` / `draft_hidden`) runs one block against cached
+context keys/values, as the reference does.
 """
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.utils.checkpoint
 from torch import nn
-from torch.nn import functional as F
 
 from transformers import Qwen3Config
-from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
-from dflash_ray.sizing.memory import text_config
+from dflash_ray.hf_config import text_config
 
 from .attention import training_mask
-from .layers import DrafterLayer, RMSNorm
+from .draft_core import DraftCore
+from .layers import RMSNorm
 from .loss import LossOutput, chunked_head_ce, default_gamma, mix_soft_labels, slot_weights
 from .target import default_mask_token_id, default_target_layer_ids
 
@@ -129,24 +129,12 @@ def drafter_config(target_hf_config, num_draft_layers: int, block_size: int, mas
     )
 
 
-@dataclass
-class DraftContextCache:
-    """Per-layer context keys/values for inference; context positions 0..length-1."""
-    kv: list = field(default_factory=list)
-    length: int = 0
-
-
-class DFlashDrafter(nn.Module):
+class DFlashDrafter(DraftCore, nn.Module):
     def __init__(self, config: Qwen3Config, embed_weight: torch.Tensor, head_weight: torch.Tensor,
                  num_anchors: int = 512, loss_gamma: float | None = None, attention_backend: str = "auto",
                  ce_chunk_rows: int = 1024, anchors_per_batch: int | None = None):
         super().__init__()
-        self.config = config
-        dflash = getattr(config, "dflash_config", None) or {}
-        self.block_size = int(dflash.get("block_size", getattr(config, "block_size", 16)))
-        self.mask_token_id = int(dflash.get("mask_token_id", getattr(config, "mask_token_id", None)))
-        self.target_layer_ids = list(dflash.get("target_layer_ids", getattr(config, "target_layer_ids", None)))
-        self.num_target_layers = int(config.num_target_layers)
+        self._build_core(config)   # the layers, fc, norms, RoPE and the DFlash fields (draft_core.py)
         self.num_anchors = int(num_anchors)
         self.anchors_per_batch = None if anchors_per_batch is None else int(anchors_per_batch)
         self.loss_gamma = float(loss_gamma) if loss_gamma is not None else default_gamma(self.block_size)
@@ -159,12 +147,6 @@ class DFlashDrafter(nn.Module):
             raise ValueError(f"block_size must be >= 2, got {self.block_size}")
 
         h = config.hidden_size
-        self.layers = nn.ModuleList(DrafterLayer(config) for _ in range(config.num_hidden_layers))
-        self.fc = nn.Linear(len(self.target_layer_ids) * h, h, bias=False)
-        self.hidden_norm = RMSNorm(h, eps=config.rms_norm_eps)
-        self.norm = RMSNorm(h, eps=config.rms_norm_eps)
-        self.rotary_emb = Qwen3RotaryEmbedding(config)
-
         # The target's embedding and head: frozen, non-persistent buffers, so they are not parameters
         # (the optimizer never sees them), not in state_dict (checkpoints and exports stay small), and
         # listed for DDP to skip (it would otherwise broadcast buffers on every forward).
@@ -205,20 +187,6 @@ class DFlashDrafter(nn.Module):
 
     def trainable_parameters(self):
         return [p for p in self.parameters() if p.requires_grad]
-
-    # ------------------------------------------------------------------ shared pieces
-    def embed(self, ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(ids, self.embed_weight).to(self.fc.weight.dtype)
-
-    def context_hidden(self, context: torch.Tensor) -> torch.Tensor:
-        if context.dtype != self.fc.weight.dtype and not torch.is_autocast_enabled(context.device.type):
-            context = context.to(self.fc.weight.dtype)
-        return self.hidden_norm(self.fc(context))
-
-    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Full logits through the frozen head (inference and tests; training uses the chunked loss)."""
-        head = self.head_weight
-        return (hidden.to(head.dtype) @ head.t()).float()
 
     # ------------------------------------------------------------------ training
     def sample_anchors(self, loss_mask: torch.Tensor, lengths: torch.Tensor, generator: torch.Generator):
@@ -327,35 +295,6 @@ class DFlashDrafter(nn.Module):
         return self.block_loss(hidden, input_ids, loss_mask, lengths, anchors, valid, soft_labels, hard_weight)
 
     # ------------------------------------------------------------------ inference (one sequence)
-    def new_cache(self) -> DraftContextCache:
-        return DraftContextCache()
-
-    @torch.no_grad()
-    def extend_context(self, cache: DraftContextCache, features: torch.Tensor) -> DraftContextCache:
-        """Append target features [1, n, n_tap*H] for positions cache.length .. cache.length+n-1."""
-        ctx_h = self.context_hidden(features)
-        pos = torch.arange(cache.length, cache.length + features.shape[1], device=features.device)[None]
-        cos, sin = self.rotary_emb(ctx_h, pos)
-        for i, layer in enumerate(self.layers):
-            k, v = layer.self_attn.keys_values(ctx_h, cos, sin)
-            if len(cache.kv) <= i:
-                cache.kv.append((k, v))
-            else:
-                pk, pv = cache.kv[i]
-                cache.kv[i] = (torch.cat([pk, k], dim=2), torch.cat([pv, v], dim=2))
-        cache.length += features.shape[1]
-        return cache
-
-    @torch.no_grad()
-    def draft_hidden(self, cache: DraftContextCache, block_ids: torch.Tensor) -> torch.Tensor:
-        """Hidden states [1, L, H] of a block [1, L] at positions cache.length.., seeing all cached context."""
-        x = self.embed(block_ids)
-        pos = torch.arange(cache.length, cache.length + block_ids.shape[1], device=block_ids.device)[None]
-        cos, sin = self.rotary_emb(x, pos)
-        for layer, kv in zip(self.layers, cache.kv):
-            x = layer(x, None, None, None, cos, sin, None, ctx_kv=kv)
-        return self.norm(x)
-
 
 @contextlib.contextmanager
 def _seeded_rng(seed: int, device: torch.device):

@@ -8,8 +8,12 @@ reference's `_draft_value` reads the nested dict first, then the attribute); RoP
 trainable weights under the reference's names (layers.N.self_attn.q_proj.weight, fc.weight,
 hidden_norm.weight, norm.weight, ...). The target's embedding and head are not exported: they are the target's.
 `dtype` and `torch_dtype` (the name transformers 4 and older serving images read) both say the weights' dtype.
-No `auto_map`: the reference builds `DFlashDraftModel` itself (AutoConfig reads `model_type: qwen3`), and
-SGLang and vLLM map `architectures: ["DFlashDraftModel"]` to their own classes; no remote code is shipped.
+`auto_map: {"AutoModel": "modeling_dflash.DFlashDraftModel"}` and the code it names (SHIPPED: this package's own
+modeling_dflash.py, draft_core.py, speculative.py, layers.py, attention.py, copied as they are): transformers'
+`AutoModel.from_pretrained(dir, trust_remote_code=True)` loads the drafter with its `spec_generate`, as the DFlash
+authors' published drafters load. The reference builds `DFlashDraftModel` itself (AutoConfig reads
+`model_type: qwen3`), and SGLang and vLLM map `architectures: ["DFlashDraftModel"]` to their own classes
+(docs/models.md: which fields each reads).
 
 README.md: the model card people publish (`write_model_card`): front matter the hub reads (`library_name`,
 `base_model` = the target's hub id, `tags`), then the target, tapped layers, block size, MASK id, data, steps,
@@ -20,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 from pathlib import Path
 
 import torch
@@ -30,6 +35,9 @@ from ..atomic import atomic_dir
 from .drafter import DFlashDrafter
 
 WEIGHTS_NAME = "model.safetensors"
+# the drafter's code an export ships for transformers' trust_remote_code (modeling_dflash.py imports the rest)
+SHIPPED = ("modeling_dflash.py", "draft_core.py", "speculative.py", "layers.py", "attention.py")
+AUTO_MAP = {"AutoModel": "modeling_dflash.DFlashDraftModel"}
 
 
 def export_drafter(drafter: DFlashDrafter, out_dir: str, dtype: torch.dtype | None = None,
@@ -63,6 +71,7 @@ def _write_export(drafter: DFlashDrafter, out_dir, dtype) -> None:
         dflash_config={"block_size": drafter.block_size, "mask_token_id": drafter.mask_token_id,
                        "target_layer_ids": list(drafter.target_layer_ids)},
         dtype=str(next(iter(state.values())).dtype).replace("torch.", ""),
+        auto_map=dict(AUTO_MAP),
     )
     config["torch_dtype"] = config["dtype"]  # transformers 4 (and serving images built on it) read this name
     # transformers 5 writes RoPE only as `rope_parameters`; a loader on transformers 4 (a serving image)
@@ -74,9 +83,11 @@ def _write_export(drafter: DFlashDrafter, out_dir, dtype) -> None:
         config["rope_scaling"] = None if rope.get("rope_type", "default") == "default" else rope
     with open(Path(out_dir) / "config.json", "w") as f:
         json.dump(config, f, indent=2, sort_keys=True)
+    for name in SHIPPED:
+        shutil.copyfile(Path(__file__).with_name(name), Path(out_dir) / name)
     # readable by the serving engine's user too (safetensors writes 0600)
     os.chmod(out_dir, 0o755)
-    for name in (WEIGHTS_NAME, "config.json"):
+    for name in (WEIGHTS_NAME, "config.json", *SHIPPED):
         os.chmod(Path(out_dir) / name, 0o644)
 
 
@@ -189,7 +200,17 @@ vLLM (`num_speculative_tokens` counts the MASK positions: block size - 1):
 vllm serve {serve_target} --speculative-config '{spec_config}'
 ```
 
-The reference `dflash` package (Transformers):
+Transformers alone (the drafter's code ships with it; greedy, its output equals the target's):
+
+```python
+from transformers import AutoModel, AutoModelForCausalLM
+draft = AutoModel.from_pretrained("{draft}", trust_remote_code=True, dtype="auto").eval()
+target = AutoModelForCausalLM.from_pretrained("{serve_target}", dtype="auto").eval()
+output_ids = draft.spec_generate(input_ids=input_ids, max_new_tokens=256, target=target,
+                                 stop_token_ids=[tokenizer.eos_token_id], temperature=0.0)
+```
+
+The reference `dflash` package:
 
 ```python
 from dflash.model import DFlashDraftModel
@@ -198,7 +219,8 @@ draft = DFlashDraftModel.from_pretrained("{draft}")
 
 The engine flags are those of SGLang's speculative-decoding documentation (DFlash section) and of the
 z-lab/dflash README's vLLM example; serving engines change quickly, so check your version's documentation.
-dflash-ray's tests load this export in the reference package; they do not run SGLang or vLLM.
+dflash-ray's tests load this export with transformers' `AutoModel` and in the reference package; they do not
+run SGLang or vLLM.
 """
     return f"---\n{meta.to_yaml()}\n---\n{body}"
 

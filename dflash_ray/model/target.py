@@ -19,7 +19,8 @@ from torch import nn
 
 from transformers.masking_utils import create_causal_mask
 
-from dflash_ray.sizing.memory import stage_layers, text_config  # noqa: F401  (stage_layers: the stages' layers)
+from dflash_ray.hf_config import text_config
+from dflash_ray.sizing.memory import stage_layers  # noqa: F401  (the stages' layers)
 
 # transformers renamed create_causal_mask's `past_key_values` to `cache` (between 5.17, the GPU image's, and
 # 5.24, this machine's). Pass whichever name this version takes.

@@ -115,35 +115,6 @@ def cap_gpu_memory(share: float) -> None:
         torch.cuda.set_per_process_memory_fraction(float(share), torch.cuda.current_device())
 
 
-def start_run_actors(run_spec, num_buckets: int):
-    """The run's RunCoordinator (the flight window) and RunRecord (the run directory's writer), both pinned
-    to the driver's node: the run directory is there. Returns (coordinator, record)."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    from dflash_ray.runtime.coordinator import RunCoordinator
-    from dflash_ray.runtime.record import trackers
-    from dflash_ray.runtime.record.record import RunRecord, record_actor_name
-
-    names = trackers.chosen(run_spec.train)   # train.trackers (+ train.tensorboard, its alias)
-    here = dict(namespace=run_spec.namespace, num_cpus=0, max_concurrency=1000,
-                scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False))
-    coord = ray.remote(RunCoordinator).options(name=run_spec.coordinator, **here).remote(
-        run_spec.name, run_spec.cluster.max_batches_in_flight)
-    record = ray.remote(RunRecord).options(name=record_actor_name(run_spec.coordinator), **here).remote(
-        run_spec.run_dir, run_spec.name, num_buckets, trackers=names,
-        tracker_options=trackers.options(run_spec.train, run_spec.run_dir),
-        params=trackers.run_params(run_spec) if names else None)
-    try:
-        ray.get([record.progress.remote(), coord.feed_info.remote()])
-    except ray.exceptions.RayActorError as e:  # e.g. a chosen tracker not installed where the actor runs
-        line = next((x.strip() for x in str(e).splitlines() if "config key 'train.trackers'" in x), None)
-        if line:
-            raise UserError(line.split("UserError: ", 1)[-1]) from e
-        raise
-    return coord, record
-
-
 def _shm_bytes() -> int | None:
     """/dev/shm's size on this node (None where there is none)."""
     try:

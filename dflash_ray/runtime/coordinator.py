@@ -8,7 +8,7 @@ to the driver's node that outlives trainer restarts. What the run writes is the 
   than that many batches' features, and the rows a step needs always fit: the window cannot deadlock.
   Each stream (a first start, a restart, the next stream segment) is a new generation of row indices.
 * attempts: every start of the train function (a restart is a start after the first of its segment), and
-  the stream segments of a run (training/trainer.py stream_segments: one fit per segment of feed rows).
+  the stream segments of a run (runtime/fit.py stream_segments: one fit per segment of feed rows).
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ class RunCoordinator:
         fits (no deadlock) and the next one is being computed meanwhile. Less is not enough: with rank 0
         reporting 58 rows late (blocks of 63) the trainers waited for a round that waited for admission,
         for good. On top of that the window holds one block's rows more (`report_slack_rows`): rank 0
-        reports what it trained only when its unreported rows would exceed them (record/client.py)."""
+        reports what it trained only when its unreported rows would exceed them (training/record_client.py)."""
         async with self.cond:
             g = self.rows_per_block = rows_per_block
             if g <= 1:
@@ -101,3 +101,8 @@ class RunCoordinator:
     def report(self) -> dict:
         return {"attempts": self.attempts, "segments": self.segments, "max_batches_in_flight": self.max_in_flight,
                 "window": self.window, "rows_per_block": self.rows_per_block, "first_admit": dict(self.first_admit)}
+
+
+def record_actor_name(coordinator_name: str) -> str:
+    """The RunRecord actor's name, from the run's coordinator name (one per run and driver process)."""
+    return coordinator_name.replace("dflash-coordinator-", "dflash-record-", 1)

@@ -21,7 +21,7 @@ def _feature_shape(cfg) -> tuple[int, int] | None:
     """(the target's width, the tapped layers), None when the target's shape is unknown."""
     from dflash_ray.data.plan import target_fields
     from dflash_ray.model.target import default_target_layer_ids
-    from dflash_ray.sizing.memory import text_config
+    from dflash_ray.hf_config import text_config
 
     text = text_config(target_fields(cfg) or {})
     if "hidden_size" not in text:
@@ -44,8 +44,7 @@ def plan_feature_cache(cfg, plan) -> dict | None:
     need = cache_bytes(tokens, shape[1], shape[0], dtype, t.distill_top_k if t.loss == "distill" else 0)
     _, free = cache_disk(t.feature_cache_dir)
     try:
-        mode, why = choose_features(t.features, t.epochs, need, t.feature_cache_gb, free,
-                                    shared_cores=not cfg.cluster.use_gpu)
+        mode, why = choose_features(t.features, t.epochs, need, t.feature_cache_gb, free)
     except UserError as e:
         mode, why = "refused", str(e)
     return {"bytes": need, "mode": mode, "why": why,
@@ -78,7 +77,8 @@ def plan_memory(cfg, plan) -> dict:
     model.target_path's config.json or model.target_config); only a line when the shape is unknown."""
     from dflash_ray.data.plan import target_fields
     from dflash_ray.model.target import default_target_layer_ids
-    from dflash_ray.sizing.memory import memory_report, text_config
+    from dflash_ray.hf_config import text_config
+    from dflash_ray.sizing.memory import memory_report
 
     target = target_fields(cfg)
     if not target or "vocab_size" not in text_config(target):

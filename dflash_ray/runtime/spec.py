@@ -25,7 +25,7 @@ from dflash_ray.config import ClusterConfig, TrainConfig, compute_dtype_why, req
 from dflash_ray.data.plan import Plan, PlanSpec, batch_anchor_cap, build_plan
 from dflash_ray.errors import UserError
 from dflash_ray.model.drafter import DrafterConfig
-from dflash_ray.runtime.record.layout import RunLayout
+from dflash_ray.run_layout import RunLayout
 
 
 @dataclass
@@ -117,7 +117,7 @@ def resolve_spec(cfg, log=print, *, inputs: bool = True, record: bool = True) ->
     trained from it check their own."""
     from transformers import AutoConfig, AutoTokenizer
 
-    from dflash_ray.sizing.memory import text_config
+    from dflash_ray.hf_config import text_config
 
     from dflash_ray.data.shards import scan_shards
     from dflash_ray.model.target import default_mask_token_id, default_target_layer_ids, missing_weights
@@ -228,8 +228,7 @@ def with_feature_cache(spec: RunSpec, scan, log=print) -> RunSpec:
     need = cache_bytes(int(scan.lengths.num_tokens.sum()), len(spec.drafter.target_layer_ids),
                        spec.target_hidden_size, spec.compute_dtype, t.distill_top_k if t.loss == "distill" else 0)
     root, free = cache_disk(t.feature_cache_dir)
-    mode, why = choose_features(t.features, t.epochs, need, t.feature_cache_gb, free,
-                                shared_cores=not spec.cluster.use_gpu)
+    mode, why = choose_features(t.features, t.epochs, need, t.feature_cache_gb, free)
     key = None
     if mode in ("hybrid", "offline"):
         contents = scan.contents or ((read_run_inputs(spec.run_dir) or {}).get("shards") or {}).get("contents")

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import json
 
-from dflash_ray.runtime.record.layout import RunLayout
+from dflash_ray.run_layout import RunLayout
 
 SEED_RUN = {"gpus": 8, "target": 6, "drafter": 2, "tokens_per_second": 25300.0, "block_tokens_per_token": 3.91}
 

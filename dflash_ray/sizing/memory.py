@@ -30,10 +30,11 @@ activations exist at a time (recomputed in backward).
 """
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
 
 import numpy as np
+
+from dflash_ray.hf_config import text_config
 
 GIB = 1024 ** 3
 
@@ -55,15 +56,6 @@ CUDA_BF16 = DeviceKind("GPU, bf16 autocast, compiled layers", block_bytes=1.37, 
 
 def device_kind(gpu: bool) -> DeviceKind:
     return CUDA_BF16 if gpu else CPU_FP32
-
-
-def text_config(config):
-    """The language model's part of a Hugging Face config: its `text_config` (multimodal checkpoints keep
-    the decoder's fields there), else the config itself. `config` is a config.json dict or a
-    transformers PretrainedConfig; a dict that has hidden_size at its top is its own text config."""
-    if isinstance(config, Mapping):
-        return config if "hidden_size" in config else (config.get("text_config") or config)
-    return getattr(config, "text_config", None) or config
 
 
 @dataclass(frozen=True)

@@ -15,9 +15,10 @@ from helpers_data import write_shard
 from dflash_ray.cli import run_command
 from dflash_ray.config import compose_config
 from dflash_ray.data.shards import SUPERVISED
-from dflash_ray.runtime.training.checkpoint import SNAPSHOT, cursor_metrics
+from dflash_ray.runtime.training.checkpoint_format import cursor_metrics
+from dflash_ray.runtime.registered import SNAPSHOT
 from dflash_ray.runtime.stream.feed import Cursor
-from dflash_ray.runtime.record.layout import RUN_INPUTS
+from dflash_ray.run_layout import RUN_INPUTS
 from dflash_ray.runtime.spec import resolve_spec
 
 

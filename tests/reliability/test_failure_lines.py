@@ -1,4 +1,4 @@
-"""The one line a run ends with when Ray Train gives up (runtime/training/trainer.py), from the errors Ray Train 2.60
+"""The one line a run ends with when Ray Train gives up (runtime/runtime/fit.py), from the errors Ray Train 2.60
 raises (`WorkerGroupError` with each rank's exception), without a cluster. The runs that really fail this
 way are in test_faults_on_ray.py; this file covers the kinds of last failure those runs do not end on."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ from ray.train.v2._internal.exceptions import WorkerHealthCheckFailedError
 from ray.train.v2.api.exceptions import ControllerError, WorkerGroupError
 
 from dflash_ray.errors import UserError
-from dflash_ray.runtime.training.trainer import failure_error, stopped_message
+from dflash_ray.runtime.fit import failure_error, stopped_message
 
 
 @pytest.fixture
@@ -70,7 +70,7 @@ def test_a_full_local_temporary_directory_names_it(spec, tmpfs, tmp_path):
     from helpers_model import tiny_step_drafter
 
     from dflash_ray.config import TrainConfig
-    from dflash_ray.runtime.training.checkpoint import write_checkpoint
+    from dflash_ray.runtime.training.checkpoint_format import write_checkpoint
     from dflash_ray.runtime.stream.feed import Cursor
     from dflash_ray.runtime.training.model import make_optimizer
 

@@ -29,8 +29,9 @@ import pytest
 import torch
 
 from dflash_ray.errors import UserError
-from dflash_ray.runtime.training.checkpoint import latest_checkpoint, load_weights, read_snapshot, read_state
-from dflash_ray.runtime.record.layout import LEDGER
+from dflash_ray.runtime.training.checkpoint_format import load_weights, read_state
+from dflash_ray.runtime.registered import latest_checkpoint, read_snapshot
+from dflash_ray.run_layout import LEDGER
 from dflash_ray.runtime.record.ledger import read_jsonl
 from dflash_ray.runtime.training.faults import TEST_FAULTS_ENV
 from helpers_cluster import own_processes, wait_for

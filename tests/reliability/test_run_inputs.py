@@ -21,9 +21,10 @@ from dflash_ray.config import compose_config
 from dflash_ray.data import shards as shards_module
 from dflash_ray.data.shards import SUPERVISED, contents_digest, list_shards, samples_fingerprint, scan_shards
 from dflash_ray.errors import UserError
-from dflash_ray.runtime.training.checkpoint import SNAPSHOT, cursor_metrics, write_checkpoint
+from dflash_ray.runtime.training.checkpoint_format import cursor_metrics, write_checkpoint
+from dflash_ray.runtime.registered import SNAPSHOT
 from dflash_ray.runtime.stream.feed import Cursor
-from dflash_ray.runtime.record.layout import RUN_INPUTS
+from dflash_ray.run_layout import RUN_INPUTS
 from dflash_ray.runtime.spec import resolve_spec
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from dflash_ray.runtime.training.checkpoint import load_weights
+from dflash_ray.runtime.training.checkpoint_format import load_weights
 from dflash_ray.runtime.record.ledger import read_jsonl
 
 

@@ -1,1 +1,1 @@
-"""The run record: every file of the run directory (layout.py) and the actor and client that write them."""
+"""The run record: the actor that writes the run directory (run_layout.py names its files) and what reads it back."""

@@ -18,7 +18,7 @@ def plot_run(run_dir, out_dir=None) -> list[Path]:
     import matplotlib.pyplot as plt
     import numpy as np
 
-    from dflash_ray.runtime.record.layout import RunLayout
+    from dflash_ray.run_layout import RunLayout
     from dflash_ray.runtime.record.ledger import read_jsonl
     from dflash_ray.runtime.record.record import last_metrics
 

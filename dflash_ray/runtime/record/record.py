@@ -1,8 +1,11 @@
-"""RunRecord: the one writer of the run directory (layout.py names its files), hosted as an async actor
-pinned to the driver's node (so no shared file system is needed) that outlives trainer restarts.
+"""RunRecord: the writer of what a run produces while it trains (run_layout.py names every file of the run
+directory), hosted as an async actor pinned to the driver's node (so no shared file system is needed) that
+outlives trainer restarts. The driver writes the rest itself, each file once: run_inputs.json at the first
+start (record/run_inputs.py), export/ after training (training/export.py), summary.json and the export's
+model card at the end (train.py).
 
 It owns, and nothing else writes:
-* ledger.jsonl and metrics.jsonl: rank 0's committed steps (client.py batches them), rolled back to the
+* ledger.jsonl and metrics.jsonl: rank 0's committed steps (training/record_client.py batches them), rolled back to the
   checkpoint's step when a restarted worker group begins;
 * events.jsonl: restarts, stops, failed evaluations, removed checkpoints, test faults;
 * evals.jsonl and best/: held-out tau during training, run as a Ray task on this node (training does not
@@ -22,13 +25,8 @@ import os
 import shutil
 import time
 
-from dflash_ray.runtime.record.layout import RunLayout
+from dflash_ray.run_layout import RunLayout
 from dflash_ray.runtime.record.ledger import read_jsonl, rollback
-
-
-def record_actor_name(coordinator_name: str) -> str:
-    """The RunRecord actor's name, from the run's coordinator name (one per run and driver process)."""
-    return coordinator_name.replace("dflash-coordinator-", "dflash-record-", 1)
 
 
 class RunRecord:
@@ -122,7 +120,7 @@ class RunRecord:
 
     # ------------------------------------------------------------ steps
     def commit_steps(self, gen: int, commits: list) -> None:
-        """Rank 0's steps since its last call (client.py), in order, as (ledger line, metrics line) pairs."""
+        """Rank 0's steps since its last call (training/record_client.py), in order, as (ledger line, metrics line) pairs."""
         for ledger_line, metrics in commits:
             self.commit_step(gen, ledger_line, metrics)
 
@@ -329,7 +327,7 @@ class RunRecord:
                 "failures_survived": self.failures_survived(), "epoch": self.last.get("epoch")}
 
     def set_run_total_steps(self, total_steps: int) -> None:
-        """The run's last step (a stream segment ends earlier: training/trainer.py stream_segments)."""
+        """The run's last step (a stream segment ends earlier: runtime/fit.py stream_segments)."""
         self.run_total_steps = int(total_steps)
 
     async def report(self, eval_timeout: float = 600.0) -> dict:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 
 from dflash_ray.errors import UserError
-from dflash_ray.runtime.record.layout import RunLayout
+from dflash_ray.run_layout import RunLayout
 
 
 def read_run_inputs(run_dir) -> dict | None:
@@ -33,7 +33,7 @@ def write_run_inputs(run_dir, inputs: dict) -> None:
 
 def first_start(run_dir, experiment_dir: str) -> bool:
     """No registered checkpoint and no tokens' digest recorded yet: check_run_inputs will record one."""
-    from dflash_ray.runtime.training.checkpoint import read_snapshot
+    from dflash_ray.runtime.registered import read_snapshot
 
     if (read_snapshot(experiment_dir) or {}).get("latest_checkpoint_result"):
         return False
@@ -66,7 +66,7 @@ def check_run_inputs(spec, tcfg, scan=None, log=print) -> None:
     from dflash_ray.data.shards import contents_digest, samples_fingerprint
     from dflash_ray.model.drafter import drafter_config
     from dflash_ray.model.export import _field
-    from dflash_ray.runtime.training.checkpoint import read_snapshot
+    from dflash_ray.runtime.registered import read_snapshot
 
     d = spec.drafter
     config = drafter_config(tcfg, d.num_draft_layers, d.block_size, d.mask_token_id, list(d.target_layer_ids),

@@ -11,9 +11,9 @@ from dataclasses import asdict
 
 import numpy as np
 
-from dflash_ray.runtime.training.checkpoint import latest_checkpoint
+from dflash_ray.runtime.registered import latest_checkpoint
 from dflash_ray.runtime.record.record import last_metrics
-from dflash_ray.runtime.record.layout import RunLayout
+from dflash_ray.run_layout import RunLayout
 from dflash_ray.runtime.record.ledger import read_jsonl, verify_ledger
 
 

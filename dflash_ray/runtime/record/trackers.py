@@ -1,4 +1,5 @@
-"""Experiment trackers: TensorBoard, MLflow, Weights & Biases (`train.trackers=[...]`).
+"""Experiment trackers: TensorBoard, MLflow, Weights & Biases (`train.trackers=[...]`). (Long on purpose:
+the three adapters behind one interface, so the run record calls one object whichever are chosen.)
 
 One place logs: the run record (its actor on the driver's node), where metrics.jsonl is written. Each
 committed step's scalars go to every chosen tracker, the run's resolved config as parameters, held-out
@@ -27,31 +28,17 @@ import uuid
 from dataclasses import asdict, is_dataclass
 from pathlib import Path
 
+from dflash_ray.config import chosen_trackers as chosen  # noqa: F401  (trackers.chosen: checked where the config is)
 from dflash_ray.errors import UserError
-from dflash_ray.runtime.record.layout import TRACKERS as STATE   # the trackers' run ids, for a resumed run
-from dflash_ray.runtime.record.layout import RunLayout
+from dflash_ray.run_layout import TRACKERS as STATE   # the trackers' run ids, for a resumed run
+from dflash_ray.run_layout import RunLayout
 
-KNOWN = ("tensorboard", "mlflow", "wandb")
 # what each tracker imports, and the extra that installs it
 NEEDS = {"tensorboard": (("tensorboardX",), "tensorboard"), "mlflow": (("mlflow", "sqlalchemy", "alembic"), "mlflow"),
          "wandb": (("wandb",), "wandb")}
 
 
 # ----------------------------------------------------------------------------- choice and checks
-def chosen(train) -> list[str]:
-    """The trackers a train config asks for: train.trackers, plus tensorboard when the older
-    `train.tensorboard: true` is set (an alias). Names checked (UserError naming train.trackers)."""
-    names = list(getattr(train, "trackers", None) or [])
-    if getattr(train, "tensorboard", False):
-        names.append("tensorboard")
-    out = []
-    for n in names:
-        n = str(n).strip().lower()
-        if n not in KNOWN:
-            raise UserError(f"config key 'train.trackers': '{n}' is not one of {', '.join(KNOWN)}")
-        if n not in out:
-            out.append(n)
-    return out
 
 
 def check_installed(names) -> None:

@@ -7,11 +7,11 @@ read back in later epochs, on the node that computed them. No Ray, no torch: num
              one node the first epoch computes and writes, the later epochs only read; a rerun with the
              same key (another lr, a resumed run) reads from its first batch
     offline  hybrid, with the target's pass over every sample first (stream/offline.py), before the drafter
-             workers start: where the target and the drafter would share the same cores (a CPU run), each
-             then has all of them in turn, as the peers' offline paths (dump, then train) do
-    auto     on CPUs offline, on GPUs hybrid when the run trains more than one epoch; either only when the
-             cache fits `train.feature_cache_gb` and the disk; online otherwise, saying why (the 8B presets'
-             corpora need terabytes)
+             workers start, on every target slot: the peers' offline path (dump, then train) inside one run.
+             Asked for only: on two shared CPU cores it measured slower than side by side (443 s against
+             413 s for SmolLM2's one-epoch job, docs/performance.md)
+    auto     hybrid when the run trains more than one epoch and the cache fits `train.feature_cache_gb` and
+             the disk; online otherwise, saying why (the 8B presets' corpora need terabytes)
 
 Per sample, not per batch: every epoch's plan cuts other batches (data/plan.py), while a sample's features
 are the same in any batch it rides in (right padding under a causal mask; equal up to the float rounding of
@@ -75,13 +75,11 @@ def cache_bytes(tokens: int, taps: int, hidden: int, dtype: str, top_k: int = 0)
     return int(tokens) * (int(taps) * int(hidden) * (2 if dtype == "bfloat16" else 4) + 8 * int(top_k))
 
 
-def choose_features(mode: str, epochs: int, need_bytes: int, budget_gb: float, free_bytes: int | None,
-                    shared_cores: bool = False) -> tuple[str, str]:
+def choose_features(mode: str, epochs: int, need_bytes: int, budget_gb: float, free_bytes: int | None) -> tuple[str, str]:
     """(online | hybrid | offline, why): `train.features` answered for this run. auto stays online when the
     cache would not fit (and says why); an explicit hybrid or offline that would not fit is refused, one line.
-    shared_cores: the target actors and the drafter workers compute on the same cores (a CPU run), where
-    running them side by side only splits the cores: auto then takes offline (the target's pass first, on
-    every core, then training from the cache)."""
+    auto never takes offline: side by side (online, hybrid's first epoch) measured faster than the target's
+    pass first on two shared CPU cores (docs/performance.md)."""
     from dflash_ray.errors import UserError
 
     need = f"{need_bytes / 2**30:,.2f} GiB of features"
@@ -98,8 +96,6 @@ def choose_features(mode: str, epochs: int, need_bytes: int, budget_gb: float, f
     if misfit:
         return "online", misfit
     fits = f"{need}, within train.feature_cache_gb={budget_gb:g}"
-    if mode == "auto" and shared_cores:
-        return "offline", f"{fits}; the target and the drafter share the CPU's cores: the target's pass first"
     if mode == "auto" and epochs <= 1:
         return "online", "one epoch: a cache would be written and never read (train.features=hybrid caches it for later runs)"
     return ("offline" if mode == "offline" else "hybrid"), fits

@@ -62,9 +62,10 @@ def compute_offline_features(run_spec, feed_table, tokens_ref, log=print) -> dic
     import ray
     from ray.data import ActorPoolStrategy
 
-    from dflash_ray.runtime.stream.pipeline import (TargetForward, block_budget_mb, node_resources, rows_per_block,
+    from dflash_ray.runtime.stream.pipeline import (block_budget_mb, node_resources, rows_per_block,
                                                     stream_bytes_per_token, target_actor_resources,
                                                     target_forward_kwargs)
+    from dflash_ray.runtime.stream.target_forward import TargetForward
 
     s, c = run_spec, run_spec.cluster
     rows = pass_rows(feed_table)

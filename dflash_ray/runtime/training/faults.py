@@ -1,5 +1,5 @@
 """Test-only fault injection (tests/reliability/): read from $DFLASH_TEST_FAULTS on the driver
-(training/trainer.py) and handed to the workers in the loop's config, since a Ray worker does not see the
+(runtime/fit.py) and handed to the workers in the loop's config, since a Ray worker does not see the
 driver's later environment. Empty in any real run."""
 from __future__ import annotations
 
@@ -40,13 +40,17 @@ def poisoned(rows: list, step: int, rank: int, faults: dict) -> list:
     return out
 
 
-def checkpoint_pause(faults: dict, step: int, rank: int, record) -> tuple:
-    """(pause function or None, where): rank 0 stops inside the checkpoint of the faults' step, having
-    told the record (the test waits for that event, then kills a process)."""
+_ARMED: dict = {}   # where -> the pause armed for this process's next checkpoint (tests only; empty otherwise)
+
+
+def arm_checkpoint_pause(faults: dict, step: int, rank: int, record) -> None:
+    """Before the checkpoint of `step`: when the faults say so, arm rank 0's pause at its "write" or "upload"
+    point (`pause_point`), which tells the record (the test waits for that event, then kills a process) and
+    sleeps. Armed for one firing; the checkpoint code carries no fault parameter."""
     pause = faults.get("checkpoint_pause") or {}
     where = pause.get("where", "write")
     if rank != 0 or pause.get("step") != step or record.attempt not in pause.get("attempts", [record.attempt]):
-        return None, where
+        return
 
     def fault_pause():
         import time
@@ -54,4 +58,12 @@ def checkpoint_pause(faults: dict, step: int, rank: int, record) -> tuple:
         record.fault_injected("checkpoint_pause", step=step, where=where)
         time.sleep(float(pause.get("seconds", 60)))
 
-    return fault_pause, where
+    _ARMED[where] = fault_pause
+
+
+def pause_point(where: str) -> None:
+    """A point inside a checkpoint where a test may pause rank 0 ("write": drafter.safetensors written, the
+    rest not; "upload": the files in storage, the checkpoint not registered). A no-op unless armed."""
+    pause = _ARMED.pop(where, None)
+    if pause is not None:
+        pause()

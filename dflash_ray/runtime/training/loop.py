@@ -2,7 +2,7 @@
 
 Each optimizer step consumes W = batches_per_step consecutive feed rows; rank r trains rows
 s*W + a*workers + r (feed.rank_rows) and checks every row it receives is the one it expects. The step's
-math is `step.train_step` (no Ray); the run record's client (record/client.py) tells the driver's side
+math is `step.train_step` (no Ray); the run record's client (training/record_client.py) tells the driver's side
 what happened; the checkpoint manager (checkpoint.py) restores, decides when, and saves.
 
 A step whose loss or gradient is NaN/Inf trains nothing (`step.train_step` skips the update on every rank)
@@ -96,7 +96,7 @@ def train_loop_per_worker(config: dict) -> None:
     import ray.train
     import torch.distributed as dist
 
-    from dflash_ray.runtime.record.client import RecordClient
+    from dflash_ray.runtime.training.record_client import RecordClient
     from dflash_ray.runtime.training.checkpoint import CheckpointManager, remove_orphaned_local_checkpoints
     from dflash_ray.runtime.training.faults import poisoned
 

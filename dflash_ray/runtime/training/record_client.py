@@ -54,7 +54,7 @@ class RecordClient:
     def __init__(self, run_spec, rank: int):
         import ray
 
-        from dflash_ray.runtime.record.record import record_actor_name
+        from dflash_ray.runtime.coordinator import record_actor_name
 
         self.spec, self.rank = run_spec, rank
         self.coord = ray.get_actor(run_spec.coordinator, namespace=run_spec.namespace)

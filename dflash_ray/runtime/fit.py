@@ -27,6 +27,36 @@ class FitOutcome:
 _FITS: dict[str, int] = {}   # fits started from this process, by coordinator name
 
 
+def start_run_actors(run_spec, num_buckets: int):
+    """The run's RunCoordinator (the flight window) and RunRecord (the run directory's writer), both pinned
+    to the driver's node: the run directory is there. Returns (coordinator, record)."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from dflash_ray.runtime.coordinator import RunCoordinator
+    from dflash_ray.runtime.record import trackers
+    from dflash_ray.runtime.coordinator import record_actor_name
+    from dflash_ray.runtime.record.record import RunRecord
+
+    names = trackers.chosen(run_spec.train)   # train.trackers (+ train.tensorboard, its alias)
+    here = dict(namespace=run_spec.namespace, num_cpus=0, max_concurrency=1000,
+                scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False))
+    coord = ray.remote(RunCoordinator).options(name=run_spec.coordinator, **here).remote(
+        run_spec.name, run_spec.cluster.max_batches_in_flight)
+    record = ray.remote(RunRecord).options(name=record_actor_name(run_spec.coordinator), **here).remote(
+        run_spec.run_dir, run_spec.name, num_buckets, trackers=names,
+        tracker_options=trackers.options(run_spec.train, run_spec.run_dir),
+        params=trackers.run_params(run_spec) if names else None)
+    try:
+        ray.get([record.progress.remote(), coord.feed_info.remote()])
+    except ray.exceptions.RayActorError as e:  # e.g. a chosen tracker not installed where the actor runs
+        line = next((x.strip() for x in str(e).splitlines() if "config key 'train.trackers'" in x), None)
+        if line:
+            raise UserError(line.split("UserError: ", 1)[-1]) from e
+        raise
+    return coord, record
+
+
 def _fresh_coordinator(run_spec):
     """The spec with a coordinator name this process has not used yet. The name is per run and driver
     process (spec.coordinator_name); a second fit of the same run.name from the same process (a rerun after
@@ -44,8 +74,7 @@ def fit(run_spec, plans, num_buckets: int, *, progress: bool = True) -> FitOutco
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from dflash_ray.runtime.training.checkpoint import remove_unregistered_checkpoints
-    from dflash_ray.runtime.cluster import start_run_actors
+    from dflash_ray.runtime.registered import remove_unregistered_checkpoints
     from dflash_ray.runtime.training.faults import faults_for_tests
     from dflash_ray.runtime.training.loop import train_loop_per_worker
     from dflash_ray.runtime.stream.node_local import NodeLocalDataConfig
@@ -66,16 +95,16 @@ def fit(run_spec, plans, num_buckets: int, *, progress: bool = True) -> FitOutco
     store, store_info = build_token_store(run_spec.shards, run_spec.vocab_size, block_mb=c.token_block_mb,
                                           cache_mb=c.token_cache_mb)
     tokens_ref = ray.put(store)
+    data_ctx = DataContext.get_current()
+    data_ctx.enable_progress_bars = False  # our own progress line says what matters; Ray Data's bars flood job logs
+    exec_opts = data_ctx.execution_options
+    exec_opts.preserve_order = True  # with equal blocks: round-robin over the train workers
     offline = None
     if run_spec.features == "offline":   # the target's pass first, on every target slot (stream/offline.py)
         from dflash_ray.runtime.stream.offline import compute_offline_features
 
         offline = compute_offline_features(run_spec, DatasetFactory(run_spec, plans, tokens_ref).feed().table,
                                            tokens_ref)
-    data_ctx = DataContext.get_current()
-    data_ctx.enable_progress_bars = False  # our own progress line says what matters; Ray Data's bars flood job logs
-    exec_opts = data_ctx.execution_options
-    exec_opts.preserve_order = True  # with equal blocks: round-robin over the train workers
 
     def trainer_for(spec):
         return TorchTrainer(
@@ -140,7 +169,7 @@ def stream_segments(run_spec, plans, coord, record):
 
     from dflash_ray.runtime.cluster import check_object_stores
     from dflash_ray.runtime.stream.pipeline import node_resources, stream_store_need
-    from dflash_ray.runtime.training.checkpoint import latest_checkpoint
+    from dflash_ray.runtime.registered import latest_checkpoint
     from dflash_ray.runtime.stream.pipeline import DatasetFactory
 
     feed = DatasetFactory(run_spec, plans, None).feed()   # every epoch's plan built here
@@ -177,7 +206,7 @@ def _one_line(text: str, limit: int = 300) -> str:
 
 def resume_point(run_spec) -> str:
     """Where a rerun of this run.name starts: the latest checkpoint Ray Train registered (complete)."""
-    from dflash_ray.runtime.training.checkpoint import latest_checkpoint
+    from dflash_ray.runtime.registered import latest_checkpoint
 
     try:
         cursor, checkpoint = latest_checkpoint(run_spec.experiment_dir)
@@ -194,9 +223,9 @@ def _cause(run_spec, failures: list) -> str:
     others' errors are its echoes), then any other exception."""
     import ray.exceptions
 
-    from dflash_ray.runtime.training.checkpoint import _filesystem
+    from dflash_ray.runtime.registered import filesystem
 
-    storage_dir = _filesystem(run_spec.experiment_dir)[1]
+    storage_dir = filesystem(run_spec.experiment_dir)[1]
     for e in failures:   # naming the run's storage, or a full disk that is not the local temporary directory
         if isinstance(e, OSError) and (storage_dir in str(e) or run_spec.experiment_dir in str(e) or (
                 e.errno in (errno.ENOSPC, errno.EDQUOT) and "dflash-ckpt-" not in str(e))):

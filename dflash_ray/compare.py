@@ -127,7 +127,7 @@ def compare(cfg, sweeps: dict, overrides: list[str], *, log=print, out_suffix: s
     from dflash_ray.config import compose_config
     from dflash_ray.demo.world import make_demo_inputs, make_missing_inputs
     from dflash_ray.runtime.cluster import ray_cluster
-    from dflash_ray.runtime.record.layout import RunLayout
+    from dflash_ray.run_layout import RunLayout
     from dflash_ray.runtime.record.ledger import read_jsonl
     from dflash_ray.runtime.record.record import last_metrics
     from dflash_ray.runtime.spec import resolve_spec
