@@ -1,12 +1,12 @@
 """train.features=offline: the target's pass over the samples a run still trains, before its drafter workers
 start, every one written to the node's feature cache (feature_cache.py); training then reads the cache.
 
-Why: where the target actors and the drafter workers share the same cores (a CPU machine), the online and
-hybrid streams run them side by side and each gets part of the cores while the other waits on it. The
-peers' offline paths (SpecForge, Model Optimizer: dump the features, then train) give each the whole
-machine in turn; this pass does the same inside one run: the target pool takes every target slot (every
-GPU, or on CPUs every core split over the target resource's slots), ends, and gives them back before Ray
-Train starts. On GPUs with separate target and drafter GPUs the hybrid stream overlaps the two instead.
+The peers' offline order (SpecForge, Model Optimizer: dump the features, then train) inside one run: the
+target pool takes every target slot (every GPU, or on CPUs every core split over the target resource's
+slots), ends, and gives them back before Ray Train starts. Asked for only (`auto` never takes it): on two
+shared CPU cores side by side measured faster (SmolLM2's one-epoch job: 413 s online against 443 s offline
+in one run, docs/performance.md); a node whose every GPU can run the target first is the case it is for,
+not measured.
 
     ray.data.range(blocks) -> .map_batches(offline_tokens) -> .map_batches(TargetForward, keep_features=False)
 
