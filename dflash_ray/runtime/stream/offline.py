@@ -45,16 +45,13 @@ def pass_rows(feed_table):
 
 
 def target_pool(cluster, resources: dict) -> tuple[int, int]:
-    """(actors, torch threads each) for the pass: every target slot of the cluster now that no trainer holds
-    one (GPUs / the target's share; on CPUs the target resource's slots, the usable cores split over them)."""
+    """(actors, torch threads each) for the pass: every target slot of every node now that no trainer holds
+    one (pipeline.target_room with no trainers); on CPUs the usable cores split over the slots."""
+    from dflash_ray.runtime.stream.pipeline import target_room
     from dflash_ray.threads import usable_cores
 
-    k = cluster.target_gpus_per_replica
-    if cluster.use_gpu:
-        gpus = sum(r.get("GPU", 0.0) for r in resources.values())
-        return max(0, int(gpus / (cluster.target_gpus * k) + 1e-9)), 1
-    slots = int(sum(r.get(cluster.target_resource, 0.0) for r in resources.values()) / k + 1e-9)
-    return slots, max(1, usable_cores() // max(1, slots))
+    slots = sum(max(0, target_room(cluster, total, 0)) for total in resources.values())
+    return slots, 1 if cluster.use_gpu else max(1, usable_cores() // max(1, slots))
 
 
 def compute_offline_features(run_spec, feed_table, tokens_ref, log=print) -> dict:

@@ -294,6 +294,17 @@ def node_groups(worker_node_ids: list) -> list[tuple]:
     return [(node, tuple(ranks)) for node, ranks in groups.items()]
 
 
+def target_room(cluster, total: dict, trainers: int) -> int:
+    """Target actors (replicas) one node can host beside `trainers` drafter workers: its GPUs less the
+    trainers' shares, over a replica's (its stages each take a target actor's share); on CPUs its target
+    resource's slots, over the stages."""
+    k = getattr(cluster, "target_gpus_per_replica", 1)
+    if cluster.use_gpu:
+        free = total.get("GPU", 0.0) - trainers * cluster.drafter_gpus
+        return int(free / (cluster.target_gpus * k) + 1e-9)
+    return int(total.get(cluster.target_resource, 0.0) / k + 1e-9)
+
+
 def target_shares(cluster, groups: list, world_size: int, resources: dict) -> list | None:
     """Target actors per node group: cluster.target_workers in proportion to the group's ranks (at least
     one), capped by what the node can host (its target resource, or its GPUs less its trainers' shares);
@@ -301,21 +312,14 @@ def target_shares(cluster, groups: list, world_size: int, resources: dict) -> li
     room. None when a group can host none (an actor pool that cannot start would wait forever).
     resources: node id -> that node's total resources (alive nodes)."""
     k = getattr(cluster, "target_gpus_per_replica", 1)   # a replica's stages: each takes a target actor's share
-
-    def room(total: dict, trainers: int) -> int:
-        if cluster.use_gpu:
-            free = total.get("GPU", 0.0) - trainers * cluster.drafter_gpus
-            return int(free / (cluster.target_gpus * k) + 1e-9)
-        return int(total.get(cluster.target_resource, 0.0) / k + 1e-9)
-
     shares = []
     for node, ranks in groups:
         if node is None:   # anywhere: what all nodes together can host beside the trainers
-            have = sum(room(total, 0) for total in resources.values()) - \
+            have = sum(target_room(cluster, total, 0) for total in resources.values()) - \
                 (int(world_size * cluster.drafter_gpus / (cluster.target_gpus * k)) if cluster.use_gpu else 0)
             want = cluster.target_workers
         else:
-            have = room(resources.get(node, {}), len(ranks))
+            have = target_room(cluster, resources.get(node, {}), len(ranks))
             want = max(1, round(cluster.target_workers * len(ranks) / world_size))
         if have < 1:
             return None
