@@ -102,8 +102,13 @@ def test_plan_command_table_json_and_atomic_dump(tmp_path, capsys):
         per_bucket[b] += 1
     assert [r["batches"] for r in s["buckets"]] == per_bucket.tolist()
     assert s["padded_tokens"] == padded and s["padding_efficiency"] == pytest.approx(cut.sum() / padded)
-    assert s["order"]["counts"] == per_bucket.tolist()
-    assert s["order"]["longest_run"] == max(1, -(-per_bucket.max() // (per_bucket.sum() - per_bucket.max() + 1)))
+    # the order is in steps (the default cluster: 2 drafter workers x grad_accum 1): each bucket's whole steps,
+    # and the buckets' leftover batches as steps of their own label
+    assert s["step_batches"] == 2 and s["order"]["unit"] == "steps of 2 batches"
+    units = np.append(per_bucket // 2, (per_bucket % 2).sum() // 2)
+    units = units[units > 0] if units[-1] == 0 else units
+    assert s["order"]["counts"] == units.tolist()
+    assert s["order"]["longest_run"] == max(1, -(-units.max() // (units.sum() - units.max() + 1)))
 
 
 # ----------------------------------------------------------------------------- figures derived by hand
@@ -183,7 +188,7 @@ def _hand_shards(root):
 
 
 def test_plan_command_figures_match_a_plan_made_by_hand(tmp_path, capsys):
-    args = _hand_shards(tmp_path)
+    args = _hand_shards(tmp_path) + ["cluster.drafter_workers=1"]   # a step of one batch: the order in batches
     assert run_command("plan", args + ["--dump", str(tmp_path / "plan.parquet")]) == 0
     out = capsys.readouterr().out
     lines = out.splitlines()
@@ -218,6 +223,18 @@ def test_plan_command_figures_match_a_plan_made_by_hand(tmp_path, capsys):
     assert t.column("position").to_pylist() == [0, 1, 2, 3, 4]
     assert t.column("bucket").to_pylist() == [1, 0, 1, 0, 1]
     assert set(zip(t.column("bucket").to_pylist(), map(tuple, t.column("sample_ids").to_pylist()))) == HAND_BATCHES
+
+
+def test_plan_of_two_workers_orders_whole_steps_of_one_bucket(tmp_path, capsys):
+    # the same 5 batches, 2 a step (2 drafter workers): bucket 0's two batches make one step, bucket 1's
+    # first two another, and its third, left over, is the epoch's last (partial) step: [a a b b 1] in steps
+    args = _hand_shards(tmp_path) + ["cluster.drafter_workers=2", "--json", "--dump", str(tmp_path / "plan.parquet")]
+    assert run_command("plan", args) == 0
+    s = json.loads(capsys.readouterr().out)
+    buckets = pq.read_table(tmp_path / "plan.parquet").column("bucket").to_pylist()
+    assert buckets in ([0, 0, 1, 1, 1], [1, 1, 0, 0, 1])
+    assert s["order"]["unit"] == "steps of 2 batches" and s["order"]["counts"] == [1, 1]
+    assert s["order"]["longest_run"] == 1
 
 
 def test_plan_command_json_with_overlong_samples_dropped(tmp_path, capsys):

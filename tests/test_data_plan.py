@@ -155,3 +155,49 @@ def test_another_epoch_changes_batch_mates_and_the_same_epoch_repeats_them():
     shared = [i for i in a if a[i]]  # samples that have batch-mates at all
     assert len(shared) > 0.9 * lengths.size
     assert sum(a[i] == other[i] for i in shared) < 0.02 * len(shared)  # almost everyone has new mates
+
+
+# ----------------------------------------------------------------------------- a step's batches from one bucket
+def test_step_order_of_one_batch_a_step_is_the_interleave_order():
+    from dflash_ray.data.interleave import interleave_order
+    from dflash_ray.data.plan import step_order
+
+    counts = np.array([7, 0, 3, 12, 1])
+    shuffled = np.random.default_rng(0).permutation(counts.sum())   # any batch ids, grouped by bucket
+    order = interleave_order(counts, strategy="default", seed=3, epoch=1)
+    # position k takes the next unused batch of bucket order[k], in `shuffled`'s order within the bucket
+    nxt = {b: list(shuffled[s: s + n]) for b, s, n in zip(range(5), np.cumsum(counts) - counts, counts)}
+    expected = [nxt[b].pop(0) for b in order]
+    assert step_order(counts, shuffled, 1, strategy="default", seed=3, epoch=1).tolist() == expected
+
+
+@pytest.mark.parametrize("w", [2, 3])
+def test_a_steps_batches_come_from_one_bucket_and_the_steps_interleave(w):
+    from dflash_ray.data.interleave import interleave_order
+
+    lengths = realistic_lengths(6000, seed=9)
+    ids = np.arange(lengths.size)
+    one = build_plan(ids, lengths, plan_spec(max_tokens_per_batch=8192), seed=2, epoch=1)
+    plan = build_plan(ids, lengths, plan_spec(max_tokens_per_batch=8192, step_batches=w), seed=2, epoch=1)
+    batches = lambda p: sorted(tuple(p.batch(k).tolist()) for k in range(p.num_batches))
+    assert batches(plan) == batches(one)              # the same batches (the cut knows no steps), reordered
+    counts = np.bincount(one.bucket, minlength=6)
+    whole, left = counts // w, counts % w              # by hand: each bucket's whole steps and its leftovers
+    mixed, tail = divmod(int(left.sum()), w)
+    steps = plan.bucket[: plan.num_batches - tail].reshape(-1, w)
+    pure = (steps == steps[:, :1]).all(axis=1)
+    assert (~pure).sum() == mixed and np.array_equal(np.bincount(steps[pure, 0], minlength=6), whole)
+    # the steps follow the strategy's order over the units (whole steps per bucket, leftover steps as one more)
+    units = np.append(whole, mixed) if mixed else whole
+    labels = np.where(pure, steps[:, 0], 6)
+    assert labels.tolist() == interleave_order(units, strategy="default", seed=2, epoch=1).tolist()
+    # the partial last step holds what is left of the leftovers; every earlier step is whole
+    assert plan.num_batches == one.num_batches and tail == plan.num_batches % w
+    order = plan.summary()["order"]
+    assert order["unit"] == f"steps of {w} batches" and order["batches"] == steps.shape[0]
+    assert order["longest_run"] == order["least_possible_longest_run"]
+
+
+def test_the_plan_of_a_configured_run_steps_by_its_workers_and_accumulation():
+    cfg = compose_config(["cluster.drafter_workers=3", "train.grad_accum=2", "cluster.max_batches_in_flight=12"])
+    assert PlanSpec.from_config(cfg).step_batches == 6

@@ -24,8 +24,8 @@ transformers' hidden_states[k + 1], as here), the drafter (2 layers, width 576, 
 1536, full attention), block 8, mask token 16, at most --anchors-per-row anchors a row (positions whose token
 and next token are supervised), hard labels with decay gamma 4, AdamW at the preset's lr (3e-3 in the runs of 2026-12-05/06), weight decay 0, clip 1.0,
 warmup 4% + cosine, --epochs passes, fp32 everywhere (the target's forwards too), the machine's two cores.
-What differs and stays: rows per optimizer step (ours: token-budget batches of 1,024 tokens on each of two
-workers; SpecForge: --rows-per-step rows a step, padded to the longest, in one process: by default the rows
+What differs and stays: rows per optimizer step (ours: batches of at most 1,024 context tokens and 1,024 block
+tokens on each of two workers, a step's two batches from one length bucket so the workers wait for neither; SpecForge: --rows-per-step rows a step, padded to the longest, in one process: by default the rows
 our plan averages a step), the order of the rows, each side's anchor draws and initialisation.
 """
 from __future__ import annotations
@@ -88,7 +88,8 @@ def run_ours(root: Path, w: dict, args, name: str = "ours", extra: tuple = ()) -
         shutil.rmtree(d, ignore_errors=True)
     cmd = [str(OURS_BIN / "dflash-ray"), "train", *PRESET, f"data.input={w['regenerated']}", f"run.root={root}",
            f"run.name={name}", "model.compute_dtype=float32", "model.anchors_per_batch=null",
-           f"model.num_anchors={args.anchors_per_row}", f"train.epochs={args.epochs}", "train.heldout_every=0",
+           f"model.num_anchors={args.anchors_per_row}", f"model.max_block_tokens_per_batch={args.block_tokens_per_batch}",
+           f"train.epochs={args.epochs}", "train.heldout_every=0",
            f"train.feature_cache_dir={cache}", *extra]
     seconds = timed(cmd, root / f"{name}.log", {"RAY_AUTH_MODE": "disabled"})
     s = json.loads((run / "summary.json").read_text())
@@ -257,6 +258,10 @@ def main(argv=None) -> int:
     ap.add_argument("--root", default="/tmp/dflash-ray-peers/whole_job")
     ap.add_argument("--epochs", type=int, default=3)
     ap.add_argument("--anchors-per-row", type=int, default=16)
+    ap.add_argument("--block-tokens-per-batch", type=int, default=1024,
+                    help="ours: the plan's drafter budget a batch (model.max_block_tokens_per_batch): short rows make "
+                         "batches of fewer rows, so both workers of a step train about equal block tokens (the "
+                         "trained tokens are the same: every row keeps its anchors)")
     ap.add_argument("--rows-per-step", type=int, default=0, help="SpecForge's batch_size (0: our plan's rows a step)")
     ap.add_argument("--specforge-loader-workers", type=int, default=1)
     ap.add_argument("--max-prompts", type=int, default=32)

@@ -40,6 +40,7 @@ class PlanSpec:
     num_anchors: int | None = None          # anchors per row at most
     anchors_per_batch: int | None = None    # thinning: anchors per batch at most (None: num_anchors per row only)
     max_block_tokens_per_batch: int | None = None  # the drafter's budget per batch, cut by the plan (None: none)
+    step_batches: int = 1                   # batches of one optimizer step (drafter_workers x grad_accum): see step_order
 
     def row_anchors(self, valid: np.ndarray) -> np.ndarray:
         """Anchors each row trains at the recipe's density: its valid anchors, num_anchors at most."""
@@ -60,6 +61,8 @@ class PlanSpec:
         if self.max_block_tokens_per_batch is not None and self.max_block_tokens_per_batch < self.block_size:
             raise UserError(f"config key 'model.max_block_tokens_per_batch': {self.max_block_tokens_per_batch} is "
                             f"smaller than one block (model.block_size {self.block_size})")
+        if self.step_batches < 1:
+            raise UserError(f"the plan's batches per step must be >= 1, got {self.step_batches}")
         if self.max_tokens_per_batch < b[-1]:
             raise UserError(
                 f"config key 'data.max_tokens_per_batch': {self.max_tokens_per_batch} is smaller than the last "
@@ -81,6 +84,7 @@ class PlanSpec:
             num_anchors=m.num_anchors,
             anchors_per_batch=m.anchors_per_batch,
             max_block_tokens_per_batch=m.max_block_tokens_per_batch,
+            step_batches=cfg.cluster.drafter_workers * cfg.train.grad_accum,
         )
         plan_spec.validate()
         return plan_spec
@@ -273,8 +277,26 @@ class Plan:
             "target_cost_max_over_min": spread("target_cost"),
             "drafter_block_tokens_max_over_min": spread("block_tokens_per_batch"),
             "buckets": rows,
-            "order": order_measures(self.bucket, k),
+            "step_batches": ps.step_batches,
+            "order": self.order_measures(),
         }
+
+    def step_labels(self) -> np.ndarray:
+        """The bucket of each whole optimizer step (step_order: its W batches share it), or
+        len(boundaries) for a step of the buckets' leftovers; a partial last step is left out."""
+        w = self.plan_spec.step_batches
+        steps = self.bucket[: self.bucket.size // w * w].reshape(-1, w)
+        pure = (steps == steps[:, :1]).all(axis=1)
+        return np.where(pure, steps[:, 0], len(self.plan_spec.boundaries)).astype(np.int32)
+
+    def order_measures(self) -> dict:
+        """interleave.order_measures of the order in its units: batches, or steps when a step holds several
+        (step_batches > 1; then counts and runs are in steps, with leftover steps a bucket of their own)."""
+        w, k = self.plan_spec.step_batches, len(self.plan_spec.boundaries)
+        if w == 1:
+            return {**order_measures(self.bucket, k), "unit": "batches"}
+        labels = self.step_labels()
+        return {**order_measures(labels, k + 1 if (labels == k).any() else k), "unit": f"steps of {w} batches"}
 
 
 def build_plan(sample_ids, num_tokens, plan_spec: PlanSpec, *, num_supervised=None, seed: int = 0,
@@ -306,11 +328,9 @@ def build_plan(sample_ids, num_tokens, plan_spec: PlanSpec, *, num_supervised=No
                         f"bucket boundary {plan_spec.boundaries[-1]} (data.overlong=drop), "
                         f"{int(unsupervised.sum())} with fewer than 2 supervised tokens")
     counts_per_bucket = np.bincount(batches.bucket, minlength=len(plan_spec.boundaries))
-    order = interleave_order(counts_per_bucket, strategy=plan_spec.strategy, seed=seed, epoch=epoch)
-    # position k takes the next unused batch of bucket order[k]; `shuffled` is grouped by bucket, so a
-    # stable sort of the order lines positions up with it
-    pick = np.empty(order.size, dtype=np.int64)
-    pick[np.argsort(order, kind="stable")] = batches.shuffled
+    pick = step_order(counts_per_bucket, batches.shuffled, plan_spec.step_batches, strategy=plan_spec.strategy,
+                      seed=seed, epoch=epoch)
+    order = batches.bucket[pick]
     sizes = batches.sizes[pick]
     offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
     gather = np.repeat(batches.offsets[:-1][pick] - offsets[:-1], sizes) + np.arange(offsets[-1])
@@ -324,6 +344,40 @@ def build_plan(sample_ids, num_tokens, plan_spec: PlanSpec, *, num_supervised=No
                 "dropped_unsupervised": int(unsupervised.sum())},
         anchors=anchors[batches.members[gather]],
     )
+
+
+def step_order(counts_per_bucket, shuffled, step_batches: int, *, strategy: str, seed: int, epoch: int) -> np.ndarray:
+    """The epoch's batches in order (indices into `shuffled`'s batches), interleaved in whole optimizer steps:
+    every W = step_batches consecutive positions (one step: the trainers' ranks and accumulation micro-steps)
+    come from one bucket, so a step's batches cost its ranks about the same and none waits for another at the
+    all-reduce (batches of one bucket hold about equal rows, tokens and anchors; batches of different buckets
+    differ up to several-fold in the drafter's work: benchmarks/cpu_by_process.py, docs/performance.md).
+    Steps of one bucket are the units the strategy interleaves, so the order's guarantees (proportional,
+    buckets run out together, short same-bucket runs) hold in steps. The batches a bucket leaves over (its
+    count mod W) make mixed steps, interleaved as one more bucket would be; the last, partial one ends the
+    epoch, so every step before it is whole. W = 1, or the `sequential` strategy (bucket after bucket: its
+    steps already share a bucket but where one bucket ends): the batch order of `interleave_order` itself.
+
+    shuffled: batch indices grouped by bucket (bucket-major, shuffled within), as data/buckets.form_batches
+    gives them."""
+    counts = np.asarray(counts_per_bucket, dtype=np.int64)
+    shuffled = np.asarray(shuffled, dtype=np.int64)
+    w = 1 if strategy == "sequential" else int(step_batches)
+    starts = np.cumsum(counts) - counts
+    whole = counts // w
+    rest = np.concatenate([shuffled[s + f * w: s + n] for s, f, n in zip(starts, whole, counts)]) \
+        if counts.size else np.zeros(0, np.int64)
+    mixed, tail = divmod(rest.size, w)
+    units = [shuffled[s: s + f * w].reshape(f, w) for s, f in zip(starts, whole)]
+    unit_counts = whole
+    if mixed:   # (no empty label: the strategies draw per label, and W = 1 must give interleave_order's order)
+        units, unit_counts = units + [rest[:mixed * w].reshape(mixed, w)], np.append(whole, mixed)
+    order = interleave_order(unit_counts, strategy=strategy, seed=seed, epoch=epoch)
+    # position k takes the next unused step of label order[k]; `units` is grouped by label, so a stable sort
+    # of the order lines positions up with it
+    unit_pick = np.empty(order.size, dtype=np.int64)
+    unit_pick[np.argsort(order, kind="stable")] = np.arange(order.size)
+    return np.concatenate([np.concatenate(units)[unit_pick].reshape(-1), rest[mixed * w:]])
 
 
 def plan_from_config(cfg, epoch: int | None = None) -> Plan:

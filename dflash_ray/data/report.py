@@ -15,12 +15,13 @@ def format_measures(m: dict, name: str = "") -> str:
     hist = m["run_length_hist"]
     runs = ", ".join(f"{k}:{v}" for k, v in sorted(hist.items())[:6]) + (" ..." if len(hist) > 6 else "")
     last = ", ".join("-" if x is None else f"{x:.4f}" for x in m["last_batch_fraction"])
-    head = f"order{(' (' + name + ')') if name else ''}: {m['batches']} batches\n"
+    unit = m.get("unit", "batches")   # steps when a step's batches come from one bucket (data/plan.py step_order)
+    head = f"order{(' (' + name + ')') if name else ''}: {m['batches']} {unit}\n"
     return head + "\n".join([
         f"  quarter share, max deviation from global share : {m['quarter_max_dev_pp']:.3f} pp",
-        f"  prefix discrepancy (batches)                    : {m['prefix_discrepancy']:.2f}",
+        f"  prefix discrepancy ({unit.split()[0]})".ljust(50) + f": {m['prefix_discrepancy']:.2f}",
         f"  longest same-bucket run (least possible)        : {m['longest_run']} ({m['least_possible_longest_run']})",
-        f"  batches in runs of 1                            : {100 * m['fraction_in_runs_of_1']:.1f}%",
+        f"  {unit.split()[0]} in runs of 1".ljust(50) + f": {100 * m['fraction_in_runs_of_1']:.1f}%",
         f"  run-length histogram (length:runs)              : {runs}",
         f"  last batch of each bucket (fraction of epoch)   : {last}",
     ])

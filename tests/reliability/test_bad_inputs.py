@@ -186,6 +186,11 @@ def test_resume_refuses_another_plan_config(run_args, tmp_path, ray_session, cap
         "another plan would not be exactly-once: set it back, or train under a new run.name")
     rc, err, _ = _run("train", [*args, "seed=7"], capsys)
     assert "config key 'seed': run 'r' planned its batches with 0, this config gives 7" in _one_line(rc, err)
+    # a step's batches share a bucket (data/plan.py step_order): another step width is another order
+    w = spec.plan.step_batches
+    rc, err, _ = _run("train", [*args, "train.grad_accum=2", f"cluster.max_batches_in_flight={4 * w}"], capsys)
+    assert (f"config key 'cluster.drafter_workers x train.grad_accum': run 'r' planned its batches with {w}, "
+            f"this config gives {2 * w}") in _one_line(rc, err)
 
 
 # ----------------------------------------------------------------------------- 4. the target and the cluster

@@ -163,7 +163,9 @@ def _check_drafter(spec, recorded: dict, now: dict, where: str) -> None:
 # what the plan depends on besides the shards (PlanSpec fields and the seed), with the key that sets each
 _PLAN_KEYS = {"boundaries": "data.bucket_boundaries", "max_tokens_per_batch": "data.max_tokens_per_batch",
               "overlong": "data.overlong", "chunk_batches": "data.chunk_batches", "min_tokens": "model.block_size",
-              "strategy": "data.interleave", "attention_tokens": "data.attention_tokens", "seed": "seed"}
+              "strategy": "data.interleave", "attention_tokens": "data.attention_tokens",
+              "num_anchors": "model.num_anchors", "max_block_tokens_per_batch": "model.max_block_tokens_per_batch",
+              "step_batches": "cluster.drafter_workers x train.grad_accum", "seed": "seed"}
 
 
 def _json_value(v):
