@@ -1,9 +1,15 @@
 """Held-out tau: real greedy speculative decoding of an exported drafter against the target on prompts no
-run trained on (model/evaluate.py counts tau as the reference `dflash_generate` does), for the freshly
-initialised drafter and the trained one."""
+run trained on (model/evaluate.py counts tau as the reference `dflash_generate` does): during training
+(HeldoutEvaluations: evals.jsonl and best/), and at the end for the freshly initialised drafter and the
+trained one (final_tau)."""
 from __future__ import annotations
 
+import asyncio
+import json
+import os
+import shutil
 import tempfile
+import time
 
 from dflash_ray.threads import use_threads
 
@@ -55,6 +61,79 @@ def heldout_tau_of_weights(run_spec, weights: dict, out_dir: str, greedy: dict |
     export_drafter(drafter, out_dir)
     r = heldout_tau(run_spec, out_dir, heldout_prompts(run_spec, during_training=True), greedy=greedy)
     return {k: r[k] for k in ("tau", "prompts", "outputs_match_greedy", "greedy_reference")}
+
+
+class HeldoutEvaluations:
+    """The evaluations during training, each a Ray task pinned to this node (the run directory is here;
+    training does not wait for them), and the files they leave: one evals.jsonl line each, and best/, the
+    drafter with the highest held-out tau so far, exported. Hosted by the run record's actor (it outlives
+    trainer restarts and sits on the driver's node), which passes `on_result` to record each result in its
+    gauges and trackers. A resumed run's earlier evaluations count for best/."""
+
+    def __init__(self, files, on_result, on_failure):
+        from dflash_ray.runtime.record.ledger import read_jsonl
+
+        self.files, self.on_result, self.on_failure = files, on_result, on_failure
+        self.done: list[dict] = read_jsonl(files.evals)
+        self.running = 0
+        self.finished = asyncio.Condition()
+        self.greedy_reference: dict | None = None   # the target's greedy decoding of the prompts, decoded once
+
+    @property
+    def latest_tau(self) -> float | None:
+        return self.done[-1]["tau"] if self.done else None
+
+    async def evaluate(self, run_spec, step: int, weights) -> None:
+        """Held-out tau of the drafter weights of `step` (an ObjectRef of a state dict); an evaluation that
+        fails never stops the run: `on_failure` reports it."""
+        import ray
+        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+        out = self.files.eval_work(step)
+        node = ray.get_runtime_context().get_node_id()
+        task = ray.remote(heldout_tau_of_weights).options(
+            num_cpus=0.5, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
+        self.running += 1
+        try:
+            result = await task.remote(run_spec, weights, str(out), self.greedy_reference)
+            self.greedy_reference = result.pop("greedy_reference")
+        except Exception as e:
+            self.on_failure(int(step), str(e)[:500])
+            return
+        finally:
+            self.running -= 1
+            async with self.finished:
+                self.finished.notify_all()
+        line = {"step": int(step), "time": time.time(), **result}
+        best = max((e["tau"] for e in self.done), default=float("-inf"))
+        self.done.append(line)
+        with open(self.files.evals, "a") as f:
+            f.write(json.dumps(line) + "\n")
+        if result["tau"] > best:
+            _replace_dir(out, self.files.best)
+        else:
+            shutil.rmtree(out, ignore_errors=True)
+        self.on_result(int(step), result)
+
+    async def wait(self, timeout_s: float) -> int:
+        """Wait up to `timeout_s` for the running evaluations (they belong to the run's report); how many are
+        still running after it."""
+        async with self.finished:
+            try:
+                await asyncio.wait_for(self.finished.wait_for(lambda: self.running == 0), timeout_s)
+            except asyncio.TimeoutError:
+                pass
+        return self.running
+
+
+def _replace_dir(src, dst) -> None:
+    """dst becomes src, whole (the old dst is moved aside first, then removed)."""
+    old = dst.with_name(f".{dst.name}.old")
+    shutil.rmtree(old, ignore_errors=True)
+    if dst.exists():
+        os.replace(dst, old)
+    os.replace(src, dst)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def initial_and_trained_tau(run_spec, export_files: dict, prompts: tuple) -> dict:

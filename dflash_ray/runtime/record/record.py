@@ -8,8 +8,8 @@ It owns, and nothing else writes:
 * ledger.jsonl and metrics.jsonl: rank 0's committed steps (training/record_client.py batches them), rolled back to the
   checkpoint's step when a restarted worker group begins;
 * events.jsonl: restarts, stops, failed evaluations, removed checkpoints, test faults;
-* evals.jsonl and best/: held-out tau during training, run as a Ray task on this node (training does not
-  wait), the best drafter so far kept exported;
+* evals.jsonl and best/, through the held-out evaluations it hosts (record/heldout.py HeldoutEvaluations:
+  each a Ray task on this node that training does not wait for; the best drafter so far kept exported);
 * what the target actors did (batches, busy seconds, restarts, the bytes of features that crossed nodes)
   and what the checkpoints cost;
 * the fan-out of each step to the `dflash_*` Ray metrics (gauges.py) and the experiment trackers.
@@ -19,13 +19,11 @@ The flight window and the attempt/segment bookkeeping are the RunCoordinator's (
 """
 from __future__ import annotations
 
-import asyncio
 import json
-import os
-import shutil
 import time
 
 from dflash_ray.run_layout import RunLayout
+from dflash_ray.runtime.record.heldout import HeldoutEvaluations
 from dflash_ray.runtime.record.ledger import read_jsonl, rollback
 
 
@@ -38,7 +36,6 @@ class RunRecord:
         self.files.root.mkdir(parents=True, exist_ok=True)
         self.run_name = run_name
         self.gauges = Gauges(run_name, num_buckets)
-        self.cond = asyncio.Condition()
         self.gen = 0                  # the current stream's generation: commits of a replaced one are dropped
         self.started = time.time()
         self.timeline: dict[str, float] = {}   # first time each milestone happened (seconds since `started`)
@@ -61,11 +58,10 @@ class RunRecord:
         self.checkpoints: list[dict] = []
         self.removed_checkpoints: list = []   # a previous driver's unregistered checkpoint directories
         self.stopped: dict | None = None      # why the workers stopped early (non-finite steps), for the driver
-        self.evals: list[dict] = read_jsonl(self.files.evals)   # a resumed run's earlier ones count for best/
-        self.evals_running = 0
-        self.greedy_reference: dict | None = None   # the target's greedy decoding of the held-out prompts
-        if self.evals:  # a resumed run shows its latest held-out tau from the start
-            self.gauges.heldout_tau(float(self.evals[-1]["tau"]))
+        self.heldout = HeldoutEvaluations(self.files, on_result=self._heldout_result, on_failure=lambda step, error:
+                                          self.event("heldout_eval_failed", step=step, error=error))
+        if self.heldout.latest_tau is not None:  # a resumed run shows its latest held-out tau from the start
+            self.gauges.heldout_tau(float(self.heldout.latest_tau))
         # experiment trackers: each step is logged once, when its first metrics line is written (trackers.py)
         self.trackers = None
         if trackers:
@@ -165,44 +161,17 @@ class RunRecord:
     def report_stopped(self) -> dict | None:
         return self.stopped
 
-    # ------------------------------------------------------------ held-out tau and best/
+    # ------------------------------------------------------------ held-out tau (record/heldout.py runs them)
     async def evaluate_heldout(self, run_spec, step: int, weights: list) -> None:
-        """Held-out tau of the drafter weights of `step` (weights = [ObjectRef of a state dict]), in a Ray
-        task pinned to this node (the run directory is here); the best drafter so far stays in best/."""
-        import ray
-        from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+        """Held-out tau of the drafter weights of `step` (weights = [ObjectRef of a state dict]), beside training."""
+        await self.heldout.evaluate(run_spec, step, weights[0])
 
-        from dflash_ray.runtime.record.heldout import heldout_tau_of_weights
-
-        out = self.files.eval_work(step)
-        node = ray.get_runtime_context().get_node_id()
-        task = ray.remote(heldout_tau_of_weights).options(
-            num_cpus=0.5, scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False))
-        self.evals_running += 1
-        try:   # the target's greedy decoding of the prompts: decoded by the first evaluation, reused after
-            result = await task.remote(run_spec, weights[0], str(out), self.greedy_reference)
-            self.greedy_reference = result.pop("greedy_reference")
-        except Exception as e:  # an evaluation never stops the run: it is reported
-            self.event("heldout_eval_failed", step=int(step), error=str(e)[:500])
-            return
-        finally:
-            self.evals_running -= 1
-            async with self.cond:
-                self.cond.notify_all()
-        line = {"step": int(step), "time": time.time(), **result}
-        best = max((e["tau"] for e in self.evals), default=float("-inf"))
-        self.evals.append(line)
-        with open(self.files.evals, "a") as f:
-            f.write(json.dumps(line) + "\n")
+    def _heldout_result(self, step: int, result: dict) -> None:
         self.gauges.heldout_tau(float(result["tau"]))
         if self.trackers is not None:
             from dflash_ray.runtime.record.trackers import eval_scalars
 
-            self.trackers.log_eval(int(step), eval_scalars(result))
-        if result["tau"] > best:
-            _replace_dir(out, self.files.best)
-        else:
-            shutil.rmtree(out, ignore_errors=True)
+            self.trackers.log_eval(step, eval_scalars(result))
 
     # ------------------------------------------------------------ target actors
     def target_started(self, key: str, pid: int, node: str) -> None:
@@ -321,7 +290,7 @@ class RunRecord:
 
     def progress(self) -> dict:
         return {"step": int(self.last.get("step", 0)), "total_steps": max(self.stream_total_steps, self.run_total_steps),
-                "heldout_tau": self.evals[-1]["tau"] if self.evals else None,
+                "heldout_tau": self.heldout.latest_tau,
                 "loss": self.last.get("loss"), "tokens_per_second": self.last.get("tokens_per_second", 0.0),
                 "block_tokens_per_second": self.last.get("block_tokens_per_second", 0.0),
                 "failures_survived": self.failures_survived(), "epoch": self.last.get("epoch")}
@@ -331,11 +300,9 @@ class RunRecord:
         self.run_total_steps = int(total_steps)
 
     async def report(self, eval_timeout: float = 600.0) -> dict:
-        async with self.cond:  # evaluations still running belong to this run's report (within a bound)
-            try:
-                await asyncio.wait_for(self.cond.wait_for(lambda: self.evals_running == 0), eval_timeout)
-            except asyncio.TimeoutError:
-                self.event("heldout_eval_unfinished", running=self.evals_running, waited_s=eval_timeout)
+        running = await self.heldout.wait(eval_timeout)   # evaluations still running belong to this run's report
+        if running:
+            self.event("heldout_eval_unfinished", running=running, waited_s=eval_timeout)
         now = time.time()
         total = sum(t["batches"] for t in self.targets.values()) or 1
         targets = {k: {"batches": t["batches"], "share": t["batches"] / total, "busy_s": round(t["busy_s"], 3),
@@ -354,7 +321,7 @@ class RunRecord:
                 "checkpoints": self.checkpoints, "checkpoint_cost": self.checkpoint_cost(), "last": self.last,
                 "placement": self.placement, "feature_traffic": dict(self.features),
                 "feature_cache": dict(self.feature_cache), "timeline": self.timeline,
-                "evals": self.evals, "stopped": self.stopped, "started": self.started}
+                "evals": self.heldout.done, "stopped": self.stopped, "started": self.started}
 
     def close(self) -> None:
         if self.trackers is not None:
@@ -366,16 +333,6 @@ def _target_entry(pid, node) -> dict:
     now = time.time()
     return {"pid": pid, "node": node, "batches": 0, "tokens": 0, "busy_s": 0.0, "restarts": 0, "started": now,
             "last": now}
-
-
-def _replace_dir(src, dst) -> None:
-    """dst becomes src, whole (the old dst is moved aside first, then removed)."""
-    old = dst.with_name(f".{dst.name}.old")
-    shutil.rmtree(old, ignore_errors=True)
-    if dst.exists():
-        os.replace(dst, old)
-    os.replace(src, dst)
-    shutil.rmtree(old, ignore_errors=True)
 
 
 def last_metrics(run_dir) -> list[dict]:
