@@ -33,7 +33,7 @@ HELP = {
         "Every case is counted by reason (malformed line or conversation, prompt over the target's context, "
         "capped answers, tool calls).",
         ("data.input", "data.tokenizer", "model.target_path", "regenerate.output", "regenerate.max_new_tokens",
-         "regenerate.on_max_tokens", "regenerate.batch_size", "data.chat_template_kwargs", "cluster.use_gpu")),
+         "regenerate.on_max_tokens", "regenerate.batch_size", "regenerate.engine", "data.chat_template_kwargs", "cluster.use_gpu")),
     "prepare": (
         "conversations -> parquet shards of token ids and loss masks",
         "Conversations (ShareGPT, OpenAI messages with tools and reasoning, or this project's rows; jsonl, json, "
@@ -371,7 +371,7 @@ def regenerate_command(cfg, args) -> int:
         counts = regenerate(source, output, target_dir=target, tokenizer_dir=tokenizer, cluster=cluster,
                             max_new_tokens=cfg.regenerate.max_new_tokens, on_max_tokens=cfg.regenerate.on_max_tokens,
                             template_kwargs=template_kwargs(cfg), batch_size=cfg.regenerate.batch_size,
-                            dtype=compute_dtype(cfg), log=log)
+                            dtype=compute_dtype(cfg), engine=cfg.regenerate.engine, log=log)
     if args.json:
         print(json.dumps(counts, indent=2))
     return 0

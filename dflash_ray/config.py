@@ -225,7 +225,10 @@ class RegenerateConfig:              # renders with data.chat_template_kwargs: g
     # rows are cut anyway; thinking answers run to thousands of tokens, and greedy thinking can loop
     max_new_tokens: int = 8192
     on_max_tokens: str = "drop"      # a turn that hits max_new_tokens: drop (it and the rest of its conversation) | keep
-    batch_size: int = 32             # conversations per generate() call on a target actor
+    batch_size: int = 32             # conversations per generate() call on a target actor (continuous: rows in flight)
+    # batched: generate() over batches of like-length prompts, each running to its longest row; continuous:
+    # transformers' continuous batching, a finished row's slot taken by the next prompt (model/generation.py)
+    engine: str = "batched"
 
 
 @dataclass
@@ -247,6 +250,7 @@ CHOICES = {"data.overlong": ("truncate", "drop"), "data.format": FORMATS, "data.
            "data.turns": ("all", "last"), "data.prepare_engine": ("local", "ray"), "data.interleave": STRATEGIES,
            "train.checkpoint_upload": ("async", "sync"), "train.parallelism": ("auto", "ddp", "fsdp"),
            "train.features": ("auto", "online", "hybrid", "offline"), "train.loss": ("ce", "distill"), "regenerate.on_max_tokens": ("drop", "keep"),
+           "regenerate.engine": ("batched", "continuous"),
            "data.synthetic.corpus": ("walks", "instructions"), "model.compute_dtype": (None, "bfloat16", "float32")}
 MINIMUM = {"model.block_size": 2, "model.num_draft_layers": 1, "model.num_anchors": 1, "model.anchors_per_batch": 1,
            "model.max_block_tokens_per_batch": 1,

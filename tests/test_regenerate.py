@@ -63,9 +63,10 @@ def greedy_tokens(tok, target_dir, messages, n):
     return greedy_generate(load_target(target_dir), torch.tensor([prompt]), n)[0, len(prompt):].tolist()
 
 
-def test_regenerated_turns_equal_a_plain_greedy_loop_on_the_regenerated_history(world):
+@pytest.mark.parametrize("engine", ["batched", "continuous"])
+def test_regenerated_turns_equal_a_plain_greedy_loop_on_the_regenerated_history(world, engine):
     root, tokdir, target, tok = world
-    regen = Regenerator(target, Rendering(tok), max_new_tokens=12, batch_size=2, on_max_tokens="keep")
+    regen = Regenerator(target, Rendering(tok), max_new_tokens=12, batch_size=2, on_max_tokens="keep", engine=engine)
     out, counts = regen(CONVS)
     for got, conv in zip(out, CONVS):
         assert [m["role"] for m in got] == [m["role"] for m in conv]
@@ -255,13 +256,16 @@ def test_regenerate_command_names_what_is_missing_and_writes_the_output(world, r
     out = tmp_path / "out.jsonl"
     assert main(["regenerate", "--json", f"data.input={src}", f"data.tokenizer={tokdir}",
                  f"model.target_path={target}", f"regenerate.output={out}", "regenerate.max_new_tokens=6",
-                 "regenerate.on_max_tokens=keep"]) == 0
+                 "regenerate.on_max_tokens=keep", "regenerate.engine=continuous"]) == 0   # through the job to the engine
     assert json.loads(capsys.readouterr().out)["written"] == 1
     [row] = map(json.loads, out.read_text().splitlines())
     assert row["conversations"] == expected_regeneration(CONVS[1], tok, target, 6)
     assert main(["regenerate", f"data.input={src}", f"data.tokenizer={tokdir}", f"model.target_path={target}",
                  f"regenerate.output={out}", "regenerate.on_max_tokens=cut"]) == 2
     assert "regenerate.on_max_tokens" in capsys.readouterr().err
+    assert main(["regenerate", f"data.input={src}", f"data.tokenizer={tokdir}", f"model.target_path={target}",
+                 f"regenerate.output={out}", "regenerate.engine=vllm"]) == 2
+    assert "config key 'regenerate.engine': 'vllm' is not one of batched, continuous" in capsys.readouterr().err
 
 
 def test_read_done_cuts_a_torn_last_line_and_keeps_whole_rows(tmp_path):
@@ -303,7 +307,23 @@ def loop_length(tokens, min_span, max_period):
     return None
 
 
-def test_greedy_loops_stop_early_and_are_dropped_counted_every_kept_turn_is_greedy(world, tmp_path):
+def test_a_loop_found_after_the_fact_is_found_where_the_spec_finds_it():
+    # the continuous engine takes no stopping criteria: it applies the same rule to each finished row
+    import random
+
+    from dflash_ray.model.generation import first_loop
+
+    rnd = random.Random(0)
+    for _ in range(200):
+        unit = [rnd.randrange(10) for _ in range(rnd.randint(1, 9))]
+        row = ([rnd.randrange(6) for _ in range(rnd.randint(0, 30))] + unit * rnd.randint(0, 8)
+               + [rnd.randrange(4) for _ in range(rnd.randint(0, 6))])
+        span, period = rnd.choice([(6, 8), (4, 3), (10, 2)])
+        assert first_loop(row, span, period) == loop_length(row, span, period), (row, span, period)
+
+
+@pytest.mark.parametrize("engine", ["batched", "continuous"])
+def test_greedy_loops_stop_early_and_are_dropped_counted_every_kept_turn_is_greedy(world, tmp_path, engine):
     """With on_max_tokens=drop, a row whose tail loops stops there and its turn is dropped (counted, its
     tokens up to the loop counted); every other turn is what it was: the greedy answer through its end token,
     or dropped at the cap. The random target ends few turns, so it also declares the token its greedy answers
@@ -339,7 +359,7 @@ def test_greedy_loops_stop_early_and_are_dropped_counted_every_kept_turn_is_gree
     assert {"loop", "kept"} <= set(fates), fates
     convs = [p + [{"role": "assistant", "content": "x"}] for p in prompts]
     regen = Regenerator(str(declared), Rendering(tok), max_new_tokens=cap, batch_size=4, loop_min_span=span,
-                        loop_max_period=period)
+                        loop_max_period=period, engine=engine)
     out, counts = regen(convs)
     assert counts["turns dropped: a greedy loop"] == fates.count("loop")
     assert counts["turns dropped: hit max_new_tokens"] == fates.count("capped")
@@ -352,5 +372,5 @@ def test_greedy_loops_stop_early_and_are_dropped_counted_every_kept_turn_is_gree
             assert got is None
     # on_max_tokens=keep (the demo's): nothing stops early, the looping turns run to the cap and are kept
     out, counts = Regenerator(str(declared), Rendering(tok), max_new_tokens=cap, batch_size=4, on_max_tokens="keep",
-                              loop_min_span=span, loop_max_period=period)(convs)
+                              loop_min_span=span, loop_max_period=period, engine=engine)(convs)
     assert "turns dropped: a greedy loop" not in counts and all(o is not None for o in out)

@@ -157,7 +157,9 @@ def demo_world_entry(cfg):
         synthetic.pop(k, None)
     what = {"format": WORLD_FORMAT, "seed": int(cfg.seed), "synthetic": synthetic,
             "target_config": OmegaConf.to_container(m.target_config, resolve=True),
-            "regenerate": {k: cfg.regenerate[k] for k in ("max_new_tokens", "on_max_tokens", "batch_size")},
+            "regenerate": {**{k: cfg.regenerate[k] for k in ("max_new_tokens", "on_max_tokens", "batch_size")},
+                           # the engine's float rounding may differ: a key of its own (batched: as before it existed)
+                           **({"engine": cfg.regenerate.engine} if cfg.regenerate.engine != "batched" else {})},
             "chat_template_kwargs": OmegaConf.to_container(d.chat_template_kwargs, resolve=True)
             if d.chat_template_kwargs is not None else None,
             "compute_dtype": compute_dtype(cfg), "use_gpu": bool(cfg.cluster.use_gpu),
@@ -406,7 +408,7 @@ def _regenerate_demo(cfg, layout: RunLayout, target_path, log) -> tuple[str, int
         counts = regenerate(str(cfg.data.input), str(out), target_dir=str(target_path), tokenizer_dir=str(cfg.data.tokenizer),
                    cluster=OmegaConf.to_object(cfg.cluster), max_new_tokens=r.max_new_tokens,
                    batch_size=r.batch_size, on_max_tokens=r.on_max_tokens, template_kwargs=template_kwargs(cfg),
-                   dtype=compute_dtype(cfg), log=log)
+                   dtype=compute_dtype(cfg), engine=r.engine, log=log)
         done.touch()
         generated = counts.get("generated tokens")
     return str(out), generated

@@ -95,6 +95,8 @@ def train_causal_lm(model_dir: str, sequences: list[list[int]], *, steps: int, l
 
 
 ON_MAX_TOKENS = ("drop", "keep")
+ENGINES = ("batched", "continuous")
+PAGE_TOKENS = 64        # the continuous engine's KV-cache page (transformers' default 256 wastes memory on short turns)
 LOOP_MIN_SPAN = 32      # tokens a loop must fill before it stops a row: no sentence of real text repeats so
 LOOP_MAX_PERIOD = 64    # the longest repeated unit looked for (a sentence or two)
 
@@ -154,11 +156,17 @@ class Regenerator:
 
     def __init__(self, target_dir: str, rendering, *, max_new_tokens: int, batch_size: int = 32,
                  on_max_tokens: str = "drop", device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-                 loop_min_span: int = LOOP_MIN_SPAN, loop_max_period: int = LOOP_MAX_PERIOD):
+                 loop_min_span: int = LOOP_MIN_SPAN, loop_max_period: int = LOOP_MAX_PERIOD, engine: str = "batched"):
         from dflash_ray.model.target import load_target
 
         if on_max_tokens not in ON_MAX_TOKENS:
             raise ValueError(f"on_max_tokens: {on_max_tokens!r} is not one of {', '.join(ON_MAX_TOKENS)}")
+        if engine not in ENGINES:
+            raise ValueError(f"engine: {engine!r} is not one of {', '.join(ENGINES)}")
+        # batched: generate() over batches of like-length prompts, each running to its longest row (a greedy
+        # loop ends a row early); continuous: transformers' continuous batching (generate_batch), batch_size
+        # rows in flight, a finished row's slot taken by the next prompt at once
+        self.engine = engine
         self.rendering, self.tok = rendering, rendering.tok
         self.device = torch.device(device)
         self.model = load_target(target_dir, device=self.device, dtype=dtype)
@@ -222,8 +230,9 @@ class Regenerator:
                     continue
                 prompts[i] = ids
             order = sorted(prompts, key=lambda i: len(prompts[i]))
-            for a in range(0, len(order), self.batch_size):
-                chunk = order[a:a + self.batch_size]
+            step = self.batch_size if self.engine == "batched" else max(len(order), 1)   # continuous: all at once
+            for a in range(0, len(order), step):
+                chunk = order[a:a + step]
                 results, generated = self._generate([prompts[i] for i in chunk])
                 counts["generated tokens"] += generated
                 for i, (text, stopped, capped_by) in zip(chunk, results):
@@ -276,13 +285,19 @@ class Regenerator:
         capped_by = "max_new_tokens" if new == self.max_new_tokens else "the target's context"
         # a config of its own: greedy, whatever sampling the model's generation_config suggests
         config = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=self.ends, pad_token_id=pad)
-        loops = LoopStop(width, len(prompts), *self.loops) if self.loops else None
-        gen = self.model.generate(ids.to(self.device), attention_mask=attn.to(self.device), generation_config=config,
-                                  stopping_criteria=StoppingCriteriaList([loops]) if loops else None)[:, width:].tolist()
+        if self.engine == "continuous":
+            gen = self._generate_continuous(prompts, new, config)
+            loops = None
+            firsts = [first_loop(row, *self.loops) if self.loops else None for row in gen]
+        else:
+            loops = LoopStop(width, len(prompts), *self.loops) if self.loops else None
+            gen = self.model.generate(ids.to(self.device), attention_mask=attn.to(self.device), generation_config=config,
+                                      stopping_criteria=StoppingCriteriaList([loops]) if loops else None)[:, width:].tolist()
+            firsts = loops.first if loops else [None] * len(gen)
         ends, results, generated = set(self.ends), [], 0
         for r, row in enumerate(gen):
             stop = next((k for k, t in enumerate(row) if t in ends), None)
-            looped = loops.first[r] if loops else None
+            looped = firsts[r]
             if looped is not None and (stop is None or looped <= stop):   # (found after an end token: padding)
                 results.append(("", False, "a greedy loop"))
                 generated += looped
@@ -292,6 +307,47 @@ class Regenerator:
             results.append((self.tok.decode(body), stop is not None, capped_by))
             generated += len(row) if stop is None else stop + 1
         return results, generated
+
+
+    def _generate_continuous(self, prompts: list[list[int]], new: int, config) -> list[list[int]]:
+        """Each prompt's generated ids by transformers' continuous batching, in the prompts' order. The KV cache
+        is sized here (pages for batch_size rows of the longest prompt plus `new`): left to itself it sizes
+        from the device's free memory, which on a CPU means many GiB allocated for each call."""
+        from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+        slots = max(1, min(self.batch_size, len(prompts)))
+        pages = -(-(max(len(p) for p in prompts) + new) // PAGE_TOKENS)
+        cb = ContinuousBatchingConfig(page_size=PAGE_TOKENS, num_blocks=slots * pages + 1, max_requests_per_batch=slots,
+                                      max_batch_tokens=max(slots, 2048), use_cuda_graph=False, allow_block_sharing=False)
+        out = self.model.generate_batch(prompts, generation_config=config, continuous_batching_config=cb,
+                                        progress_bar=False, warmup=False)
+        by_order = sorted(out.values(), key=lambda o: int(o.request_id.rsplit("_", 1)[1]))   # req_<n>, as added
+        for o in by_order:
+            if o.error:
+                raise RuntimeError(f"continuous batching failed on a prompt: {o.error}")
+        return [list(o.generated_tokens) for o in by_order]
+
+
+def first_loop(row: list[int], min_span: int = LOOP_MIN_SPAN, max_period: int = LOOP_MAX_PERIOD) -> int | None:
+    """The length at which LoopStop would first find `row` (generated ids) looping, or None: the same rule,
+    applied after the fact (the continuous engine takes no stopping criteria). The first t whose last
+    n = max(3p, min_span) ids repeat with a period p: their last n - p ids each equal the one p before."""
+    import numpy as np
+
+    x = np.asarray(row, dtype=np.int64)
+    best = None
+    for p in range(1, max_period + 1):
+        n = max(3 * p, min_span)
+        if n > x.size:
+            break
+        eq = np.concatenate([np.zeros(p, bool), x[p:] == x[:-p]])   # eq[k]: x[k] == x[k - p]
+        # run[k]: matches ending at k in a row; the tail of t = k + 1 ids is periodic when run[k] >= n - p
+        idx = np.arange(x.size)
+        last_miss = np.maximum.accumulate(np.where(eq, -1, idx))
+        hit = np.flatnonzero((idx - last_miss >= n - p) & (idx + 1 >= n))
+        if hit.size and (best is None or hit[0] + 1 < best):
+            best = int(hit[0]) + 1
+    return best
 
 
 def _well_formed(conv) -> bool:

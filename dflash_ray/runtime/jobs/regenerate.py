@@ -37,12 +37,17 @@ from dflash_ray.errors import UserError
 from dflash_ray.threads import threads_for, usable_cores
 
 
+# the continuous engine's conversations per actor call, in batch_size units: rows in flight stay batch_size,
+# and a call's last rows finish with its slots emptying (a larger block: fewer such tails, coarser progress)
+CONTINUOUS_BLOCK = 4
+
+
 class RegenerateActor:
     """Holds the target on its device; regenerates a batch of conversations."""
 
     def __init__(self, target_dir: str, tokenizer_dir: str, max_new_tokens: int, batch_size: int, use_gpu: bool,
                  on_max_tokens: str = "drop", template_kwargs: dict | None = None, gpu_share: float = 1.0,
-                 dtype: str | None = None, threads: int = 1):
+                 dtype: str | None = None, threads: int = 1, engine: str = "batched"):
         import torch
 
         from dflash_ray.data.supervision import Rendering
@@ -56,7 +61,8 @@ class RegenerateActor:
             torch.set_num_threads(max(1, threads))
         self.regen = Regenerator(target_dir, Rendering(load_tokenizer(tokenizer_dir), template_kwargs),
                                  max_new_tokens=max_new_tokens, batch_size=batch_size, on_max_tokens=on_max_tokens,
-                                 device="cuda" if use_gpu else "cpu", dtype=getattr(torch, dtype) if dtype else None)
+                                 device="cuda" if use_gpu else "cpu", dtype=getattr(torch, dtype) if dtype else None,
+                                 engine=engine)
 
     def __call__(self, batch: dict) -> dict:
         import numpy as np
@@ -166,10 +172,12 @@ def actor_pool_size(cluster, cluster_gpus: float | None = None) -> int:
 
 def regenerate(input_path: str, output_path: str, *, target_dir: str, tokenizer_dir: str, cluster,
                max_new_tokens: int, batch_size: int, on_max_tokens: str,
-               template_kwargs: dict | None = None, dtype: str | None = None, log=print) -> dict:
+               template_kwargs: dict | None = None, dtype: str | None = None, engine: str = "batched",
+               log=print) -> dict:
     """Run the job on the connected Ray cluster. Returns the counts by reason (and 'written', 'skipped:
     already in the output', 'actors'). `on_max_tokens`: regenerate.on_max_tokens (drop | keep). `dtype`:
-    the target's (model.compute_dtype; None: bf16 on GPUs, fp32 on CPUs)."""
+    the target's (model.compute_dtype; None: bf16 on GPUs, fp32 on CPUs). `engine`: regenerate.engine; the
+    continuous engine gets CONTINUOUS_BLOCK batches' worth of conversations a call, so its freed slots refill."""
     import ray
     from ray.data import ActorPoolStrategy
 
@@ -185,7 +193,7 @@ def regenerate(input_path: str, output_path: str, *, target_dir: str, tokenizer_
         counts["in the output but no longer in the input"] = gone
     if todo:
         res = dict(num_gpus=cluster.target_gpus) if cluster.use_gpu else dict(num_cpus=1)
-        per_block = max(1, batch_size)
+        per_block = max(1, batch_size) * (CONTINUOUS_BLOCK if engine == "continuous" else 1)
         blocks = max(1, -(-len(todo) // per_block))
         gpus = ray.cluster_resources().get("GPU") if cluster.use_gpu else None
         counts["actors"] = actors = min(actor_pool_size(cluster, gpus), blocks)
@@ -204,7 +212,8 @@ def regenerate(input_path: str, output_path: str, *, target_dir: str, tokenizer_
                                            max_new_tokens=max_new_tokens, batch_size=batch_size, use_gpu=cluster.use_gpu,
                                            on_max_tokens=on_max_tokens, template_kwargs=template_kwargs,
                                            gpu_share=cluster.target_gpus if cluster.use_gpu else 1.0, dtype=dtype,
-                                           threads=threads_for(getattr(cluster, "cpu_threads", None), "regenerate")),
+                                           threads=threads_for(getattr(cluster, "cpu_threads", None), "regenerate"),
+                                           engine=engine),
                 **res)
             t0, finished = time.monotonic(), 0
             with open(out, "a", encoding="utf-8") as f:
