@@ -1,6 +1,6 @@
 """`dflash-ray <command> [flags] [overrides]` (also `python -m dflash_ray <command>`): every command's
 handler, in one place. Each handler reads the composed config and calls the library; what it prints is
-decided here.
+decided here. (Long on purpose: a command's help, its handler and its output sit together, one screen each.)
 
 Overrides use Hydra's grammar (`a.b=1`, `++a.b=1`, `~a.b`, `group=option`, `+name=1` at the root).
 `--cfg job` prints the composed config and exits. Bad input or config: one line on stderr, exit code 2

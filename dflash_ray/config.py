@@ -1,6 +1,7 @@
 """Config: OmegaConf groups under conf/ (dflash_ray/conf/, package data: an installed wheel carries its
 presets), composed with Hydra's compose API and override grammar, validated against typed dataclasses before
 anything else starts. $DFLASH_RAY_CONF points it at another directory of groups (a cluster's own presets).
+(Long on purpose: every key of every group, its one default and its line, is the schema, and is read here.)
 
 The dataclasses below hold every key and its one default, each with a line saying what it is. The YAML
 under conf/ sets only what differs: conf/config.yaml picks the group options, and each option

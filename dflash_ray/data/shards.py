@@ -1,5 +1,6 @@
 """Parquet shards: the schema, atomic writes, and reads that reject bad input with one line naming the
-file (and row: "row N (0-based)", the index pyarrow gives it) and what is wrong.
+file (and row: "row N (0-based)", the index pyarrow gives it) and what is wrong. (Long on purpose: the one
+writer and every reader of the schema, so a check of bad input is made once, where the file is opened.)
 
 Schema: sample_id int64 (unique over all shards), input_ids list<int32>, loss_mask list<int8>
 (1 on assistant tokens), num_tokens int32; `prepare` also writes num_supervised int32 (the loss mask's
