@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     from dflash_ray.data.supervision import Rendering
     from dflash_ray.model.generation import Regenerator
     from dflash_ray.paths import resolve_model_paths
-    from dflash_ray.processor import compute_dtype
+    from dflash_ray.config import compute_dtype
     from dflash_ray.tokenizer import load_tokenizer
 
     torch.set_num_threads(args.threads)
