@@ -287,7 +287,6 @@ class Regenerator:
         config = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=self.ends, pad_token_id=pad)
         if self.engine == "continuous":
             gen = self._generate_continuous(prompts, new, config)
-            loops = None
             firsts = [first_loop(row, *self.loops) if self.loops else None for row in gen]
         else:
             loops = LoopStop(width, len(prompts), *self.loops) if self.loops else None
@@ -307,7 +306,6 @@ class Regenerator:
             results.append((self.tok.decode(body), stop is not None, capped_by))
             generated += len(row) if stop is None else stop + 1
         return results, generated
-
 
     def _generate_continuous(self, prompts: list[list[int]], new: int, config) -> list[list[int]]:
         """Each prompt's generated ids by transformers' continuous batching, in the prompts' order. The KV cache
@@ -332,7 +330,6 @@ def first_loop(row: list[int], min_span: int = LOOP_MIN_SPAN, max_period: int = 
     """The length at which LoopStop would first find `row` (generated ids) looping, or None: the same rule,
     applied after the fact (the continuous engine takes no stopping criteria). The first t whose last
     n = max(3p, min_span) ids repeat with a period p: their last n - p ids each equal the one p before."""
-    import numpy as np
 
     x = np.asarray(row, dtype=np.int64)
     best = None
