@@ -11,8 +11,8 @@ fill in every key the YAML leaves out (an override of such a key is applied as `
 
 Every check of the config's own values is made here, when the config is composed: unknown keys
 (`a.typo=1`), wrong types (`train.lr=abc`), choices (CHOICES), minimums (MINIMUM) and the rules between
-keys (`_check_rules`: bucket boundaries vs the batch budget, by the plan's own PlanSpec.validate; the
-flight window vs the batches of one step; ...) raise UserError with one line that names the key (and the
+keys (`_check_rules`: bucket boundaries vs the batch budget, by check_plan_rules, which the plan's
+PlanSpec.validate calls too; the flight window vs the batches of one step; ...) raise UserError with one line that names the key (and the
 closest known one). Values are typed once, here: whatever reads the composed config (or the dataclasses)
 gets ints, floats, bools and strs and casts nothing. What needs the data or the target (vocabulary sizes,
 layer ids against the target's depth) is checked where those are read (runtime/spec.py). The typed
@@ -31,8 +31,6 @@ from typing import Any, Dict, List, Optional
 from omegaconf import DictConfig, ListConfig, OmegaConf, open_dict
 from omegaconf.errors import ConfigKeyError, OmegaConfBaseException
 
-from dflash_ray.data.formats import FORMATS, ON_BAD_ROW
-from dflash_ray.data.interleave import STRATEGIES
 from dflash_ray.errors import UserError
 from dflash_ray.required import require  # noqa: F401  (re-exported: config.require, the value at a key or one line naming it)
 
@@ -247,11 +245,18 @@ class RootConfig:
     regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
 
 
+# the choices the data layer reads (data/formats.py, data/interleave.py): here, below the data layer, so the
+# config checks them at composition without importing it
+FORMATS = ("auto", "sharegpt", "openai", "conversations")
+ON_BAD_ROW = ("fail", "skip")
+STRATEGIES = ("default", "stride", "sequential", "random", "diversity")   # data/interleave.py's orders
+ENGINES = ("batched", "continuous")   # regeneration's (model/generation.py Regenerator)
+
 CHOICES = {"data.overlong": ("truncate", "drop"), "data.format": FORMATS, "data.on_bad_row": ON_BAD_ROW,
            "data.turns": ("all", "last"), "data.prepare_engine": ("local", "ray"), "data.interleave": STRATEGIES,
            "train.checkpoint_upload": ("async", "sync"), "train.parallelism": ("auto", "ddp", "fsdp"),
            "train.features": ("auto", "online", "hybrid", "offline"), "train.loss": ("ce", "distill"), "regenerate.on_max_tokens": ("drop", "keep"),
-           "regenerate.engine": ("batched", "continuous"),
+           "regenerate.engine": ENGINES,
            "data.synthetic.corpus": ("walks", "instructions"), "model.compute_dtype": (None, "bfloat16", "float32")}
 MINIMUM = {"model.block_size": 2, "model.num_draft_layers": 1, "model.num_anchors": 1, "model.anchors_per_batch": 1,
            "model.max_block_tokens_per_batch": 1,
@@ -444,12 +449,29 @@ def compose_config(overrides: List[str] | None = None) -> DictConfig:
     return merged  # `???` values stay missing; `require()` names them where they are needed
 
 
+def check_plan_rules(boundaries, max_tokens_per_batch: int, block_size: int,
+                     max_block_tokens_per_batch: int | None, step_batches: int) -> None:
+    """The rules between the plan's keys (at composition, and data/plan.py PlanSpec.validate for a plan made
+    without a config); the keys' own minimums are MINIMUM."""
+    b = list(boundaries)
+    if not b or any(x <= 0 for x in b) or any(y <= x for x, y in zip(b, b[1:])):
+        raise UserError(f"config key 'data.bucket_boundaries': must be positive and ascending, got {b}")
+    if max_block_tokens_per_batch is not None and max_block_tokens_per_batch < block_size:
+        raise UserError(f"config key 'model.max_block_tokens_per_batch': {max_block_tokens_per_batch} is "
+                        f"smaller than one block (model.block_size {block_size})")
+    if step_batches < 1:
+        raise UserError(f"the plan's batches per step must be >= 1, got {step_batches}")
+    if max_tokens_per_batch < b[-1]:
+        raise UserError(
+            f"config key 'data.max_tokens_per_batch': {max_tokens_per_batch} is smaller than the last "
+            f"bucket boundary {b[-1]}, so the longest samples fit in no batch")
+
+
 def _check_rules(cfg: DictConfig) -> None:
     """Rules between keys (and choices a table does not say)."""
-    from dflash_ray.data.plan import PlanSpec
-
-    PlanSpec.from_config(cfg)  # validated: bucket boundaries ascending, the batch budget holds the longest bucket
     c, t = cfg.cluster, cfg.train
+    check_plan_rules(cfg.data.bucket_boundaries, cfg.data.max_tokens_per_batch, cfg.model.block_size,
+                     cfg.model.max_block_tokens_per_batch, c.drafter_workers * t.grad_accum)
     if cfg.data.heldout_fraction >= 1:
         raise UserError(f"config key 'data.heldout_fraction': {cfg.data.heldout_fraction} would hold out every "
                         "conversation (a share below 1; 0: none)")

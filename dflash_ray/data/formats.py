@@ -44,13 +44,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator
 
+from dflash_ray.config import FORMATS, ON_BAD_ROW  # noqa: F401  (re-exported: the readers' choices)
 from dflash_ray.errors import UserError
 
 __all__ = ["FORMATS", "ON_BAD_ROW", "ROLE_MAP", "EMPTY_LINE", "BadRows", "Chunk", "Conversation", "expand_inputs",
            "count_rows", "iter_chunk", "iter_conversations", "normalise_row", "plan_chunks", "where"]
 
-FORMATS = ("auto", "sharegpt", "openai", "conversations")
-ON_BAD_ROW = ("fail", "skip")
 SUFFIXES = (".jsonl", ".json", ".parquet")
 MAX_EXAMPLES = 5
 EMPTY_LINE = "empty_line"

@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 
-STRATEGIES = ("default", "stride", "sequential", "random", "diversity")
+from dflash_ray.config import STRATEGIES  # the strategies by name (the config checks the choice)
+
 _SALT = {name: i for i, name in enumerate(STRATEGIES)}
 
 

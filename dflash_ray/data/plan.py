@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
+from dflash_ray.config import check_plan_rules
 from dflash_ray.data.buckets import assign_buckets, form_batches
 from dflash_ray.data.interleave import interleave_order, order_measures
 from dflash_ray.errors import UserError
@@ -53,20 +54,9 @@ class PlanSpec:
         return batch_anchor_cap(self.anchors_per_batch, self.max_block_tokens_per_batch, self.block_size)
 
     def validate(self) -> None:
-        """The rules between the plan's keys (config.py checks them at compose time through here; the
-        keys' own minimums are config.py's MINIMUM)."""
-        b = list(self.boundaries)
-        if not b or any(x <= 0 for x in b) or any(y <= x for x, y in zip(b, b[1:])):
-            raise UserError(f"config key 'data.bucket_boundaries': must be positive and ascending, got {b}")
-        if self.max_block_tokens_per_batch is not None and self.max_block_tokens_per_batch < self.block_size:
-            raise UserError(f"config key 'model.max_block_tokens_per_batch': {self.max_block_tokens_per_batch} is "
-                            f"smaller than one block (model.block_size {self.block_size})")
-        if self.step_batches < 1:
-            raise UserError(f"the plan's batches per step must be >= 1, got {self.step_batches}")
-        if self.max_tokens_per_batch < b[-1]:
-            raise UserError(
-                f"config key 'data.max_tokens_per_batch': {self.max_tokens_per_batch} is smaller than the last "
-                f"bucket boundary {b[-1]}, so the longest samples fit in no batch")
+        """The rules between the plan's keys (config.check_plan_rules, which also checks them at composition)."""
+        check_plan_rules(self.boundaries, self.max_tokens_per_batch, self.block_size,
+                         self.max_block_tokens_per_batch, self.step_batches)
 
     @classmethod
     def from_config(cls, cfg) -> "PlanSpec":

@@ -37,6 +37,8 @@ import numpy as np
 import torch
 from transformers import StoppingCriteria
 
+from dflash_ray.config import ENGINES
+
 TRAINED_MARKER = "dflash_demo_training.json"
 
 
@@ -95,7 +97,6 @@ def train_causal_lm(model_dir: str, sequences: list[list[int]], *, steps: int, l
 
 
 ON_MAX_TOKENS = ("drop", "keep")
-ENGINES = ("batched", "continuous")
 PAGE_TOKENS = 64        # the continuous engine's KV-cache page (transformers' default 256 wastes memory on short turns)
 LOOP_MIN_SPAN = 32      # tokens a loop must fill before it stops a row: no sentence of real text repeats so
 LOOP_MAX_PERIOD = 64    # the longest repeated unit looked for (a sentence or two)
