@@ -263,26 +263,23 @@ def test_the_record_keeps_checkpoint_cost(ray_session, tmp_path):
 
 
 def test_unregistered_checkpoint_directories_are_removed_and_registered_ones_kept(tmp_path):
-    import json
-
-    from dflash_ray.runtime.registered import SNAPSHOT, remove_unregistered_checkpoints
+    from dflash_ray.runtime.registered import remove_unregistered_checkpoints
+    from helpers_ray_train import register_with_ray_train
 
     exp = tmp_path / "run"
-    for d in ("checkpoint_a", "checkpoint_b", "checkpoint_c", "checkpoint_pending", "not_a_checkpoint"):
+    for d in ("checkpoint_a", "checkpoint_b", "checkpoint_c", "not_a_checkpoint"):
         (exp / d).mkdir(parents=True)
         (exp / d / "state.json").write_text("{}")
     (exp / "checkpoint_file").write_text("a file, not a checkpoint directory")
-    assert remove_unregistered_checkpoints(str(exp)) == ["checkpoint_a", "checkpoint_b", "checkpoint_c",
-                                                         "checkpoint_pending"]   # nothing registered yet
-    for d in ("checkpoint_a", "checkpoint_b", "checkpoint_c", "checkpoint_pending"):
+    assert remove_unregistered_checkpoints(str(exp)) == ["checkpoint_a", "checkpoint_b", "checkpoint_c"]
+    for d in ("checkpoint_a", "checkpoint_b", "checkpoint_c"):     # nothing registered yet: all three went
         (exp / d).mkdir()
-    (exp / SNAPSHOT).write_text(json.dumps({
-        "checkpoint_results": [{"checkpoint_dir_name": "checkpoint_a"}, {"checkpoint_dir_name": "checkpoint_c"}],
-        "latest_checkpoint_result": {"checkpoint_dir_name": "checkpoint_c"},
-        "pending_training_results": [{"checkpoint_dir_name": "checkpoint_pending"}]}))
+    register_with_ray_train(exp, "checkpoint_a", {"step": 1})
+    register_with_ray_train(exp, "checkpoint_c", {"step": 3})   # b's upload finished, its registration never came
     assert remove_unregistered_checkpoints(str(exp)) == ["checkpoint_b"]
-    assert {p.name for p in exp.iterdir()} == {"checkpoint_a", "checkpoint_c", "checkpoint_file",
-                                                "checkpoint_pending", SNAPSHOT, "not_a_checkpoint"}
+    assert {p.name for p in exp.iterdir() if p.name.startswith("checkpoint_")} == {
+        "checkpoint_a", "checkpoint_c", "checkpoint_file"}
+    assert {p.name for p in exp.iterdir() if not p.name.startswith("checkpoint_")} >= {"not_a_checkpoint"}
     assert remove_unregistered_checkpoints(str(tmp_path / "absent")) == []
 
 

@@ -168,19 +168,44 @@ def test_checkpoint_lookup_reads_ray_trains_record_on_anyfilesystem(tmp_path, ur
     """One reader (pyarrow's filesystem layer) for the cursor, the latest checkpoint and its files, so
     a URI storage path (s3://, gs://; file:// here) goes the same way as a local one."""
     from dflash_ray.runtime.training.checkpoint_format import cursor_metrics
-    from dflash_ray.runtime.registered import SNAPSHOT, latest_checkpoint, local_checkpoint
+    from dflash_ray.runtime.registered import latest_checkpoint, local_checkpoint
+    from helpers_ray_train import register_with_ray_train
 
     where = f"file://{tmp_path}" if uri else str(tmp_path)
     assert latest_checkpoint(where) == (Cursor(), None)
-    snap = {"ray_version": "2.60.0", "latest_checkpoint_result": {
-        "checkpoint_dir_name": "checkpoint_x", "metrics": {**cursor_metrics(Cursor(1, 4, 8)), "loss": 1.0}}}
-    (tmp_path / SNAPSHOT).write_text(json.dumps(snap))
     (tmp_path / "checkpoint_x").mkdir()
     (tmp_path / "checkpoint_x" / "state.json").write_text("{}")
+    register_with_ray_train(tmp_path, "checkpoint_w", cursor_metrics(Cursor(0, 2, 4)))
+    register_with_ray_train(tmp_path, "checkpoint_x", {**cursor_metrics(Cursor(1, 4, 8)), "loss": 1.0})
     assert latest_checkpoint(where) == (Cursor(1, 4, 8), f"{where}/checkpoint_x")
     with local_checkpoint(latest_checkpoint(where)[1]) as d:
         assert (d / "state.json").read_text() == "{}"
         assert (d == tmp_path / "checkpoint_x") != uri          # a URI is copied to a local temp dir
+
+
+def test_a_record_of_checkpoints_ray_train_cannot_read_is_one_line(tmp_path):
+    """Ray Train refuses a record of another format (another Ray version's) or a damaged one: the driver says
+    so in one line (a UserError: exit 2) naming the run's directory, instead of Ray's traceback."""
+    from dflash_ray.errors import UserError
+    from dflash_ray.runtime.registered import latest_checkpoint
+    from dflash_ray.runtime.training.checkpoint_format import cursor_metrics
+    from helpers_ray_train import register_with_ray_train
+
+    register_with_ray_train(tmp_path, "checkpoint_x", cursor_metrics(Cursor(0, 2, 4)))
+    assert latest_checkpoint(str(tmp_path))[0] == Cursor(0, 2, 4)
+    (record,) = tmp_path.glob("*.json")     # Ray's own file (its name and format are Ray's, read here only)
+    other = json.loads(record.read_text())
+    other["ray_version"] = "9.0.0"          # a later Ray whose record lost a field this one needs
+    del other["current_report_index"]
+    record.write_text(json.dumps(other))
+    with pytest.raises(UserError) as e:
+        latest_checkpoint(str(tmp_path))
+    line = str(e.value)
+    assert "\n" not in line and line.startswith(f"{tmp_path}: Ray Train cannot read this run's record")
+    assert "Ray version 9.0.0" in line and line.endswith("resume under the Ray version that wrote it, or train under a new run.name")
+    record.write_text("{not json")
+    with pytest.raises(UserError, match="Ray Train cannot read this run's record"):
+        latest_checkpoint(str(tmp_path))
 
 
 def test_checkpoint_due_every_n_steps_at_epoch_ends_and_the_last_step():

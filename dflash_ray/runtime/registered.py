@@ -1,22 +1,22 @@
 """The run's registered checkpoints as the driver sees them, and the cursor a checkpoint carries.
 
 A checkpoint becomes the one a restart resumes from when Ray Train registers it (after every rank's upload,
-in report order). Ray Train 2.60 keeps that record in the experiment directory's
-checkpoint_manager_snapshot.json (SNAPSHOT), which this module alone reads: the latest registered
-checkpoint and the metrics reported with it (our cursor travels there), and every registered directory
-(to remove the ones never registered). Ray's file is not a public format: the pin on Ray (pyproject.toml)
-and tests/reliability/test_faults_on_ray.py, which reads it after real Ray Train runs, keep the two in step.
-Storage is read through pyarrow's filesystems, so local paths, NFS and s3:// go the same way.
+in report order). The driver reads that record through Ray Train's public `Result.from_path` (`registered`):
+the latest registered checkpoint and the metrics reported with it (our cursor travels there), and every
+registered directory (to remove the ones never registered). Ray keeps the record in a file of its own whose
+format this project does not read; Ray refuses a record written by another Ray version, so a run resumes
+under the Ray that started it (said in one line here). Storage goes through pyarrow's filesystems, so local
+paths, NFS and s3:// go the same way.
 """
 from __future__ import annotations
 
 import contextlib
-import json
+import logging
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-SNAPSHOT = "checkpoint_manager_snapshot.json"   # Ray Train 2.60's record of registered checkpoints
+from dflash_ray.errors import UserError
 
 
 @dataclass(frozen=True)
@@ -44,15 +44,40 @@ def filesystem(uri_or_path: str):
     return pafs.LocalFileSystem(), str(Path(uri_or_path).resolve())
 
 
-def read_snapshot(experiment_dir: str) -> dict | None:
-    """Ray Train's record of the run's registered checkpoints (None before the first one), read through
-    pyarrow's filesystem layer so local paths, NFS and s3:// storage go the same way."""
-    fs, path = filesystem(f"{str(experiment_dir).rstrip('/')}/{SNAPSHOT}")
+@contextlib.contextmanager
+def _quiet_ray_train():
+    """Ray Train logs a paragraph at INFO each time it loads a run's record (meant for a trainer restoring
+    one); the driver reads it several times a run."""
+    logger = logging.getLogger("ray.train")
+    level = logger.level
+    logger.setLevel(max(level, logging.WARNING))
     try:
-        with fs.open_input_stream(path) as f:
-            return json.loads(f.read().decode())
-    except FileNotFoundError:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def registered(experiment_dir: str):
+    """Ray Train's record of the run's registered checkpoints (`ray.train.Result`: `checkpoint` and
+    `metrics` of the latest, `best_checkpoints` every one kept), None before the first one. A record Ray
+    cannot read (damaged, written by another Ray version, naming a checkpoint that is gone) is one line."""
+    from ray.train import Result
+
+    try:
+        with _quiet_ray_train():
+            return Result.from_path(str(experiment_dir))
+    except RuntimeError:   # Ray's words for "nothing registered here": no experiment folder, or no record yet
         return None
+    except Exception as e:  # noqa: BLE001 - Ray Train's initialization error for a record it cannot load
+        cause = " ".join(str(e).split())
+        raise UserError(f"{experiment_dir}: Ray Train cannot read this run's record of its checkpoints ({cause[:300]}); "
+                        "resume under the Ray version that wrote it, or train under a new run.name") from e
+
+
+def has_checkpoint(experiment_dir: str) -> bool:
+    """Ray Train has registered a checkpoint of this run: a rerun resumes."""
+    result = registered(experiment_dir)
+    return result is not None and result.checkpoint is not None
 
 
 def remove_unregistered_checkpoints(experiment_dir: str) -> list[str]:
@@ -60,14 +85,14 @@ def remove_unregistered_checkpoints(experiment_dir: str) -> list[str]:
     between the ranks' uploads and the registration, a failed upload's remains): nothing will ever read
     them (a resume uses the registered latest only) and each is a whole checkpoint's bytes. Called by the
     driver before its first fit, when no upload of this run can be in flight; keeps every directory the
-    snapshot names (registered, latest, or reported and pending). Returns the names removed."""
+    record names (every checkpoint kept, the latest among them). Returns the names removed."""
     import pyarrow.fs as pafs
 
-    snap = read_snapshot(experiment_dir) or {}
-    keep = {r.get("checkpoint_dir_name") for r in snap.get("checkpoint_results") or []}
-    keep |= {r.get("checkpoint_dir_name") for r in snap.get("pending_training_results") or []
-             if isinstance(r, dict)}
-    keep.add((snap.get("latest_checkpoint_result") or {}).get("checkpoint_dir_name"))
+    result = registered(experiment_dir)
+    keep = set()
+    if result is not None:
+        kept = [c for c, _ in result.best_checkpoints or []] + [result.checkpoint]
+        keep = {Path(c.path).name for c in kept if c is not None}
     fs, path = filesystem(experiment_dir)
     removed = []
     for info in fs.get_file_info(pafs.FileSelector(path, allow_not_found=True)):
@@ -82,15 +107,15 @@ def latest_checkpoint(experiment_dir: str) -> tuple[Cursor, str | None]:
     """The cursor and the location (a local path or a URI) of the latest checkpoint Ray Train has
     registered for this run; (Cursor(), None) before the first one. Our cursor travels in the metrics
     reported with the checkpoint."""
-    latest = (read_snapshot(experiment_dir) or {}).get("latest_checkpoint_result")
-    if not latest:
+    result = registered(experiment_dir)
+    if result is None or result.checkpoint is None:
         return Cursor(), None
-    m = latest.get("metrics", {})
+    m = result.metrics or {}
     if "cursor_epoch" not in m:
-        raise RuntimeError(f"{experiment_dir}/{SNAPSHOT}: the latest checkpoint has no cursor in its metrics "
-                           "(written by another program?)")
+        raise UserError(f"{experiment_dir}: the latest registered checkpoint has no cursor in its metrics "
+                        "(written by another program?): train under a new run.name")
     cursor = Cursor(int(m["cursor_epoch"]), int(m["cursor_position"]), int(m["cursor_step"]))
-    return cursor, f"{str(experiment_dir).rstrip('/')}/{latest['checkpoint_dir_name']}"
+    return cursor, f"{str(experiment_dir).rstrip('/')}/{Path(result.checkpoint.path).name}"
 
 
 @contextlib.contextmanager

@@ -16,10 +16,10 @@ from dflash_ray.cli import run_command
 from dflash_ray.config import compose_config
 from dflash_ray.data.shards import SUPERVISED
 from dflash_ray.runtime.training.checkpoint_format import cursor_metrics
-from dflash_ray.runtime.registered import SNAPSHOT
 from dflash_ray.runtime.stream.feed import Cursor
 from dflash_ray.run_layout import RUN_INPUTS
 from dflash_ray.runtime.spec import resolve_spec
+from helpers_ray_train import forget_checkpoints, register_with_ray_train
 
 
 def _opt(args, key):
@@ -136,11 +136,8 @@ def _split_shards(args, shards: Path) -> None:
 
 
 def _register_checkpoint(spec) -> None:
-    """What Ray Train writes when it registers a checkpoint (its record, read by latest_checkpoint)."""
-    exp = Path(spec.experiment_dir)
-    exp.mkdir(parents=True, exist_ok=True)
-    (exp / SNAPSHOT).write_text(json.dumps({"ray_version": "2.60.0", "latest_checkpoint_result": {
-        "checkpoint_dir_name": "checkpoint_x", "metrics": {**cursor_metrics(Cursor(0, 2, 1)), "loss": 1.0}}}))
+    """A checkpoint registered by Ray Train's own code (what latest_checkpoint reads)."""
+    register_with_ray_train(spec.experiment_dir, "checkpoint_x", {**cursor_metrics(Cursor(0, 2, 1)), "loss": 1.0})
 
 
 @pytest.mark.parametrize("fault", ["rewritten", "removed"])
@@ -167,7 +164,7 @@ def test_resume_refuses_shards_changed_since_the_first_run(fault, run_args, tmp_
         "first run); resuming its checkpoint with other data would not be exactly-once: restore the shards, "
         "or train them under a new run.name")
 
-    (Path(spec.experiment_dir) / SNAPSHOT).unlink()                          # no checkpoint: a fresh run
+    forget_checkpoints(spec.experiment_dir)                                   # no checkpoint: a fresh run
     resolve_spec(compose_config(args), log=lambda *a, **k: None)
     assert len(json.loads((Path(spec.run_dir) / RUN_INPUTS).read_text())["shards"]["files"]) == (2 if fault == "rewritten" else 1)
 

@@ -30,7 +30,7 @@ import torch
 
 from dflash_ray.errors import UserError
 from dflash_ray.runtime.training.checkpoint_format import load_weights, read_state
-from dflash_ray.runtime.registered import latest_checkpoint, read_snapshot
+from dflash_ray.runtime.registered import latest_checkpoint, registered
 from dflash_ray.run_layout import LEDGER
 from dflash_ray.runtime.record.ledger import read_jsonl
 from dflash_ray.runtime.training.faults import TEST_FAULTS_ENV
@@ -301,7 +301,7 @@ def test_driver_killed_while_a_checkpoint_is_unregistered_resumes_from_the_previ
         shutil.rmtree(ray_tmp, ignore_errors=True)
     assert 4 in unregistered                       # rank 0's step-4 files were whole in storage ...
     assert latest_checkpoint(str(experiment))[0].step == 2      # ... but Ray Train had registered step 2 only
-    assert read_snapshot(str(experiment))["latest_checkpoint_result"]["metrics"]["cursor_step"] == 2
+    assert registered(str(experiment)).metrics["cursor_step"] == 2    # Ray Train's public record of it
     assert len(read_jsonl(run_dir / LEDGER)) >= 4              # steps 3, 4 were committed, then lost
 
     orphan = unregistered[4].name
@@ -314,5 +314,5 @@ def test_driver_killed_while_a_checkpoint_is_unregistered_resumes_from_the_previ
     # one of four runs a killed driver's directory appeared after the rerun's sweep and stayed.)
     removed = s["unregistered_checkpoints_removed"]
     assert orphan in removed and not any((experiment / d).exists() for d in removed)
-    registered = {r["checkpoint_dir_name"] for r in read_snapshot(str(experiment))["checkpoint_results"]}
-    assert not registered & set(removed)
+    kept = {Path(c.path).name for c, _ in registered(str(experiment)).best_checkpoints}
+    assert kept and not kept & set(removed)

@@ -22,10 +22,10 @@ from dflash_ray.data import shards as shards_module
 from dflash_ray.data.shards import SUPERVISED, contents_digest, list_shards, samples_fingerprint, scan_shards
 from dflash_ray.errors import UserError
 from dflash_ray.runtime.training.checkpoint_format import cursor_metrics, write_checkpoint
-from dflash_ray.runtime.registered import SNAPSHOT
 from dflash_ray.runtime.stream.feed import Cursor
 from dflash_ray.run_layout import RUN_INPUTS
 from dflash_ray.runtime.spec import resolve_spec
+from helpers_ray_train import register_with_ray_train
 
 
 def _opt(args, key):
@@ -116,10 +116,9 @@ def first_run(tiny_data, tmp_path):
 
 
 def register_checkpoint(spec, drafter=None) -> None:
-    """What Ray Train writes when it registers a checkpoint (its record, read by latest_checkpoint);
-    with `drafter`, the checkpoint's files too (what export reads)."""
+    """The checkpoint registered by Ray Train's own code (what latest_checkpoint reads); with `drafter`, the
+    checkpoint's files too (what export reads)."""
     exp = Path(spec.experiment_dir)
-    exp.mkdir(parents=True, exist_ok=True)
     cursor = Cursor(0, 2, 1)
     if drafter is not None:
         from dflash_ray.runtime.training.model import make_optimizer
@@ -127,8 +126,7 @@ def register_checkpoint(spec, drafter=None) -> None:
         opt, sched = make_optimizer(spec.train, drafter, 10)
         write_checkpoint(exp / "checkpoint_x", drafter=drafter, optimizer=opt, scheduler=sched, cursor=cursor,
                          world_size=1)
-    (exp / SNAPSHOT).write_text(json.dumps({"ray_version": "2.60.0", "latest_checkpoint_result": {
-        "checkpoint_dir_name": "checkpoint_x", "metrics": {**cursor_metrics(cursor), "loss": 1.0}}}))
+    register_with_ray_train(exp, "checkpoint_x", {**cursor_metrics(cursor), "loss": 1.0})
 
 
 def refused(args) -> str:

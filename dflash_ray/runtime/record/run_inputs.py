@@ -33,9 +33,9 @@ def write_run_inputs(run_dir, inputs: dict) -> None:
 
 def first_start(run_dir, experiment_dir: str) -> bool:
     """No registered checkpoint and no tokens' digest recorded yet: check_run_inputs will record one."""
-    from dflash_ray.runtime.registered import read_snapshot
+    from dflash_ray.runtime.registered import has_checkpoint
 
-    if (read_snapshot(experiment_dir) or {}).get("latest_checkpoint_result"):
+    if has_checkpoint(experiment_dir):
         return False
     return not ((read_run_inputs(run_dir) or {}).get("shards") or {}).get("contents")
 
@@ -66,7 +66,7 @@ def check_run_inputs(spec, tcfg, scan=None, log=print) -> None:
     from dflash_ray.data.shards import contents_digest, samples_fingerprint
     from dflash_ray.model.drafter import drafter_config
     from dflash_ray.model.export import _field
-    from dflash_ray.runtime.registered import read_snapshot
+    from dflash_ray.runtime.registered import has_checkpoint
 
     d = spec.drafter
     config = drafter_config(tcfg, d.num_draft_layers, d.block_size, d.mask_token_id, list(d.target_layer_ids),
@@ -74,7 +74,7 @@ def check_run_inputs(spec, tcfg, scan=None, log=print) -> None:
     now = {"drafter": {k: _field(config, k) for k in _DRAFTER_KEYS}, "target_path": spec.target_path,
            "plan": {**{k: _json_value(getattr(spec.plan, k)) for k in _PLAN_KEYS if k != "seed"}, "seed": spec.seed}}
     recorded = read_run_inputs(spec.run_dir)
-    resuming = bool((read_snapshot(spec.experiment_dir) or {}).get("latest_checkpoint_result"))
+    resuming = has_checkpoint(spec.experiment_dir)
     where = f"(recorded in {RunLayout(spec.run_dir).run_inputs} at its first run)"
     if scan is None:  # an export: the checkpoint and the drafter's shape only
         if resuming and recorded is not None:
