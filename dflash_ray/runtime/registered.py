@@ -4,9 +4,9 @@ A checkpoint becomes the one a restart resumes from when Ray Train registers it 
 in report order). The driver reads that record through Ray Train's public `Result.from_path` (`registered`):
 the latest registered checkpoint and the metrics reported with it (our cursor travels there), and every
 registered directory (to remove the ones never registered). Ray keeps the record in a file of its own whose
-format this project does not read; Ray refuses a record written by another Ray version, so a run resumes
-under the Ray that started it (said in one line here). Storage goes through pyarrow's filesystems, so local
-paths, NFS and s3:// go the same way.
+format this project does not read; Ray refuses a record it cannot parse (damaged, or another Ray version's
+format), said in one line here. Storage goes through pyarrow's filesystems, so local paths, NFS and s3:// go
+the same way.
 """
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def _quiet_ray_train():
 def registered(experiment_dir: str):
     """Ray Train's record of the run's registered checkpoints (`ray.train.Result`: `checkpoint` and
     `metrics` of the latest, `best_checkpoints` every one kept), None before the first one. A record Ray
-    cannot read (damaged, written by another Ray version, naming a checkpoint that is gone) is one line."""
+    cannot load (damaged, another Ray version's format, naming a checkpoint that is gone) is one line."""
     from ray.train import Result
 
     try:
