@@ -84,6 +84,8 @@ def ray_session():
         # worker) started with `ray start --head`
         ray.init(address="local", num_cpus=RAY_NUM_CPUS, resources={"target_slot": RAY_TARGET_SLOTS},
                  object_store_memory=400_000_000, include_dashboard=False, log_to_driver=False,
+                 # Ray's default 10 s: a gauge set in a run's last seconds may never reach the metrics port
+                 _system_config={"metrics_report_interval_ms": 2000},
                  runtime_env={"env_vars": {"RAY_TRAIN_ENABLE_STATE_TRACKING": "1"}})
     yield ray
     ray.shutdown()

@@ -43,6 +43,10 @@ def test_store_built_by_ray_data_matches_a_direct_read(ray_session, tmp_path):
     assert info.samples == len(truth) == 120
     assert info.tokens == sum(len(v[0]) for v in truth.values())
     assert info.blocks > 3                                 # more blocks than shards
+    # cut at one size across shards, only the last block short (a non-strict repartition leaves a short
+    # block at each shard's end on some Ray versions)
+    rows = [ray.get(ref).num_rows for ref in handle["blocks"]]
+    assert len(set(rows[:-1])) == 1 and rows[-1] <= rows[0] and sum(rows) == 120
     store = TokenStore(**ray.get(ray.put(handle)))         # what a join task sees
     _check_lookups(store, truth)
     # the cache holds ~50 KB: it evicted, and refetched blocks still give the right tokens

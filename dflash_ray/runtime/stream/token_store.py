@@ -227,7 +227,8 @@ def build_token_store(shards: str, vocab_size: int | None, block_mb: float = 8.0
         ds = (ds.select_columns(columns + ["path"])
               .map_batches(_store_block, batch_format="pyarrow", batch_size=None, zero_copy_batch=True,
                            fn_kwargs={"vocab_size": vocab_size, "names": names})
-              .repartition(target_num_rows_per_block=rows_per_block)
+              # strict: blocks of rows_per_block across shards (not strict, Ray 2.59 kept a short block per shard)
+              .repartition(target_num_rows_per_block=rows_per_block, strict=True)
               .materialize())
     except Exception as e:
         user = _user_error(e)
