@@ -30,6 +30,9 @@ Variants (comma-separated; KEY=VALUE changes one knob of the base, the preset's)
   step=N          plan batches per optimizer step
   warmup=X        warm-up share of the steps
   epochs=N        passes over the data (default --epochs)
+  init=last       the drafter's layers start as the target's last N (attention, MLP, their norms) and its
+                  final norm as the target's; the q/k norms (the target has none if it is a Llama) and the
+                  projection of the taps stay fresh
   A+B             both knobs (e.g. anchors=all+epochs=1: the recipe's density at about the base's time)
 `--top-k-mass N` prints instead how much of the target's next-token distribution its top k keep (distill's
 choice of k). Prints one table (final proxy tau, tau at the shortest variant's training time, steps, context and block
@@ -155,8 +158,31 @@ def set_knob(v: dict, part: str) -> None:
         v["batches_per_step"] = int(value)
     elif key == "warmup":
         v["warmup"] = float(value)
+    elif key == "init" and value == "last":
+        v["init"] = value
     else:
         raise SystemExit(f"unknown knob {part!r} (see --help)")
+
+
+def copy_last_target_layers(drafter, target_dir) -> list[int]:
+    """The drafter's N layers <- the target's last N (every tensor of the same name and shape: q/k/v/o, the MLP,
+    the two layer norms), its final norm <- the target's. Returns the target layers copied."""
+    import torch
+
+    from dflash_ray.model.target import load_target
+
+    target = load_target(target_dir).model
+    n, total = len(drafter.layers), len(target.layers)
+    with torch.no_grad():
+        for mine, theirs in zip(drafter.layers, target.layers[total - n:]):
+            src = theirs.state_dict()
+            for name, p in mine.named_parameters():
+                if name in src and src[name].shape == p.shape:
+                    p.copy_(src[name])
+                elif not name.endswith(("q_norm.weight", "k_norm.weight")):
+                    raise SystemExit(f"init=last: the target's layer has no {name} of shape {tuple(p.shape)}")
+        drafter.norm.weight.copy_(target.norm.weight)
+    return list(range(total - n, total))
 
 
 def train_variant(v: dict, cfg, target_dir, rows, feats_by_layers, heldout_ctx, args):
@@ -183,6 +209,8 @@ def train_variant(v: dict, cfg, target_dir, rows, feats_by_layers, heldout_ctx, 
     dcfg = DrafterConfig(num_draft_layers=v["layers"], block_size=cfg.model.block_size, num_anchors=v["num_anchors"],
                          mask_token_id=cfg.model.mask_token_id, anchors_per_batch=spec.batch_anchor_cap())
     drafter = build_drafter(dcfg, AutoConfig.from_pretrained(target_dir), embed, head, seed=0)
+    if v["init"] == "last":
+        print(f"  {v['name']}: drafter layers from the target's {copy_last_target_layers(drafter, target_dir)}")
     ids_all = np.array(sorted(rows))
     lens = np.array([len(rows[s][0]) for s in ids_all])
     sup = np.array([int(rows[s][1].sum()) for s in ids_all])
@@ -322,7 +350,8 @@ def main(argv=None) -> int:
         return 0
     base = dict(loss="ce", hard_weight=0.0, lr=float(cfg.train.lr), layers=int(cfg.model.num_draft_layers),
                 num_anchors=int(cfg.model.num_anchors), anchors_per_batch=cfg.model.anchors_per_batch,
-                batches_per_step=args.batches_per_step, warmup=float(cfg.train.warmup_ratio), epochs=args.epochs)
+                batches_per_step=args.batches_per_step, warmup=float(cfg.train.warmup_ratio), epochs=args.epochs,
+                init=None)
     variants = [parse_variant(n.strip(), base) for n in args.variants.split(",")]
     from transformers import AutoConfig, AutoTokenizer
 
