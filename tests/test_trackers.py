@@ -309,12 +309,13 @@ TRACKED = ["train.trackers=[tensorboard,mlflow,wandb]", "train.wandb_mode=offlin
            "train.heldout_every=2", "eval.max_new_tokens=8", "train.tracker_project=dflash-test"]
 
 
-def metric_names_on(port: int) -> set[str]:
+def metric_names_on(port: int) -> set[str] | None:
+    """The ray_dflash_* names the port serves now; None when it did not answer."""
     try:
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
             text = r.read().decode()
     except OSError:
-        return set()
+        return None
     return {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line.startswith("ray_dflash_")}
 
 
@@ -331,14 +332,20 @@ def tracked(train_run, tiny_data, tmp_path_factory):
     port = ray._private.worker.global_worker.node.metrics_export_port
     names: set[str] = set()
     wanted = dashboard_metrics()
+    t0 = time.time()
+    first_seen, unanswered = {}, []   # when each name first showed; scrapes the port did not answer
 
     def scrape(name):
-        t0 = time.time()
-        while time.time() - t0 < 300 and not (root / name / "summary.json").exists():
-            names.update(metric_names_on(port))
+        start = time.time()
+        while time.time() - start < 300 and not (root / name / "summary.json").exists():
+            now = metric_names_on(port)
+            if now is None:
+                unanswered.append(round(time.time() - t0, 1))
+            for n in now or ():
+                first_seen.setdefault(n, round(time.time() - t0, 1))
+            names.update(now or ())
             time.sleep(1.0)
 
-    t0 = time.time()
     first = runs("tracked", [*TRACKED, "train.max_steps=4"], during=scrape)
     t1 = time.time()
     state_after_first = json.loads((root / "tracked" / "trackers.json").read_text())
@@ -347,7 +354,13 @@ def tracked(train_run, tiny_data, tmp_path_factory):
     second = runs("tracked", [*TRACKED, "train.max_steps=6"], during=scrape)
     print(f"tracked run: {t1 - t0:.1f} s, rerun to 6 steps: {time.time() - t1:.1f} s; "
           f"dashboard metrics seen: {sorted(wanted & names)}, not seen: {sorted(wanted - names)}")
+    uploads = [(m["step"], m["checkpoint_upload_step"], round(m["time"] - t0, 1))
+               for m in read_jsonl(root / "tracked" / "metrics.jsonl") if "checkpoint_upload_step" in m]
+    scrapes = (f"first seen (s from the start): {first_seen}; port unanswered at {unanswered}; upload seconds "
+               f"on metrics lines (step, its checkpoint's step, s): {uploads}; runs ended at {t1 - t0:.1f} and "
+               f"{time.time() - t0:.1f} s")
     return {"root": root, "run": root / "tracked", "first": first, "second": second, "names": names,
+            "scrapes": scrapes,
             "state_after_first": state_after_first, "mlflow_first": mlflow_first}
 
 
@@ -410,7 +423,8 @@ def test_the_rerun_continued_the_same_tracker_runs(tracked):
 def test_every_metric_the_dashboard_queries_is_exported_by_a_real_run(tracked):
     """Scraped from the session Ray's metrics export port while the tracked run trained."""
     missing = dashboard_metrics() - tracked["names"]
-    assert not missing, f"queried by dashboards/grafana/dflash_dashboard.json but never exported: {sorted(missing)}"
+    assert not missing, (f"queried by dashboards/grafana/dflash_dashboard.json but never exported: {sorted(missing)}; "
+                         f"{tracked['scrapes']}")
 
 
 def test_train_view_shows_the_runs(tracked):
