@@ -16,7 +16,7 @@ install() { "$PY" -m pip install --no-cache-dir ${FLAGS[@]+"${FLAGS[@]}"} "$@"; 
 
 # 1. torch first, from the CUDA index: the project's `torch>=2.6` is then satisfied and this build is kept
 install "$TORCH_SPEC" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
-# 2. the project (its ray requirement, a range, accepts the image's own Ray 2.60.0: pip keeps it; step 4 checks)
+# 2. the project (its ray requirement accepts the image's own Ray 2.60.0: pip keeps it; step 4 checks)
 install "$SRC"
 # 3. the reference DFlash package (exports load in it); --no-deps keeps its pins off torch and transformers
 install --no-deps "dflash==0.1.0"
