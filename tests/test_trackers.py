@@ -330,7 +330,6 @@ def tracked(train_run, tiny_data, tmp_path_factory):
     prompts.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in ("one two three", "four five six")))
     runs = TrainRun(root, [*tiny_data, f"data.prompts={prompts}"])
     port = ray._private.worker.global_worker.node.metrics_export_port
-    names: set[str] = set()
     wanted = dashboard_metrics()
     t0 = time.time()
     first_seen, unanswered = {}, []   # when each name first showed; scrapes the port did not answer
@@ -343,7 +342,6 @@ def tracked(train_run, tiny_data, tmp_path_factory):
                 unanswered.append(round(time.time() - t0, 1))
             for n in now or ():
                 first_seen.setdefault(n, round(time.time() - t0, 1))
-            names.update(now or ())
             time.sleep(1.0)
 
     first = runs("tracked", [*TRACKED, "train.max_steps=4"], during=scrape)
@@ -352,6 +350,7 @@ def tracked(train_run, tiny_data, tmp_path_factory):
     mlflow_first = mlflow_run(f"sqlite:///{root}/mlflow.db", "dflash-test", "tracked")[1][0]
     (root / "tracked" / "summary.json").unlink()
     second = runs("tracked", [*TRACKED, "train.max_steps=6"], during=scrape)
+    names = set(first_seen)
     print(f"tracked run: {t1 - t0:.1f} s, rerun to 6 steps: {time.time() - t1:.1f} s; "
           f"dashboard metrics seen: {sorted(wanted & names)}, not seen: {sorted(wanted - names)}")
     uploads = [(m["step"], m["checkpoint_upload_step"], round(m["time"] - t0, 1))
