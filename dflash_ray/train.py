@@ -70,7 +70,7 @@ def main_job(cfg, *, progress: bool = True, log=print, plan_log=print, startup_s
         check_resources(run_spec.cluster)
         with clock("training") as training:
             try:
-                outcome = fit(run_spec, plans, num_buckets=len(plan_summary["buckets"]) or 1, progress=progress)
+                outcome = fit(run_spec, plans, progress=progress)
             except BaseException:
                 trackers.end_run(run_spec, None, failed=True, log=log)   # the tracker runs say FAILED
                 raise

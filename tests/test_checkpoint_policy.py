@@ -221,7 +221,7 @@ def test_timed_upload_calls_rays_persist_then_reports_seconds(monkeypatch):
 def test_the_record_keeps_checkpoint_cost(ray_session, tmp_path):
     from dflash_ray.runtime.record.record import RunRecord
 
-    c = RunRecord(str(tmp_path), "ckpt", 3)
+    c = RunRecord(str(tmp_path), "ckpt")
     c.begin_attempt(0, 2, attempt=1, restarted=False)
 
     def commit(step, **extra):

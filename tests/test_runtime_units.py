@@ -359,7 +359,7 @@ def test_rank0_reports_at_start_on_time_and_before_the_window_runs_short():
 def test_the_record_writes_several_steps_in_one_call(ray_session, tmp_path):
     from dflash_ray.runtime.record.record import RunRecord
 
-    c = RunRecord(str(tmp_path), "blocks", 2)
+    c = RunRecord(str(tmp_path), "blocks")
     c.begin_attempt(0, 2, attempt=1, restarted=False)
     commits = [({"epoch": 0, "step": k, "positions": [2 * k - 2, 2 * k - 1], "buckets": [0, 0], "tokens": [5, 5]},
                 {"step": k, "epoch": 0, "loss": 1.0, "tokens": 10, "block_tokens": 48, "time": 1000.0 + k})
@@ -374,7 +374,7 @@ def test_the_record_writes_several_steps_in_one_call(ray_session, tmp_path):
 def test_the_record_writes_ledger_metrics_and_tensorboard(ray_session, tmp_path):
     from dflash_ray.runtime.record.record import RunRecord, last_metrics
 
-    c = RunRecord(str(tmp_path), "tb", 3, trackers=["tensorboard"])
+    c = RunRecord(str(tmp_path), "tb", trackers=["tensorboard"])
     c.new_stream(1, 10)
     c.begin_attempt(0, 2, attempt=1, restarted=False)
 
@@ -430,7 +430,7 @@ def test_a_failed_heldout_evaluation_is_an_event_not_a_failed_run(ray_session, t
 
     from dflash_ray.runtime.record.record import RunRecord
 
-    coord = ray.remote(RunRecord).options(num_cpus=0, max_concurrency=100).remote(str(tmp_path), "ev", 2)
+    coord = ray.remote(RunRecord).options(num_cpus=0, max_concurrency=100).remote(str(tmp_path), "ev")
     broken = SimpleNamespace(target_path=str(tmp_path / "no-target"))         # the task raises
     ray.get(coord.evaluate_heldout.remote(broken, 10, [ray.put({})]), timeout=120)
     report = ray.get(coord.report.remote(), timeout=60)

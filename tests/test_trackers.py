@@ -183,7 +183,7 @@ def test_each_step_is_logged_once_across_a_restart_and_a_rerun(ray_session, tmp_
     run = tmp_path / "r"
     uri = f"sqlite:///{tmp_path}/mlflow.db"
     opts = {"project": "unit", "mlflow_tracking_uri": uri, "wandb_mode": "offline"}
-    c = RunRecord(str(run), "r", 3, trackers=ALL, tracker_options=opts,
+    c = RunRecord(str(run), "r", trackers=ALL, tracker_options=opts,
                        params={"train.lr": 0.001, "train.max_steps": 5, "plan.bucket_boundaries": "[32, 64]"})
     c.begin_attempt(0, 2, attempt=1, restarted=False)
     c.target_started("actor-a", 1, "node")
@@ -198,7 +198,7 @@ def test_each_step_is_logged_once_across_a_restart_and_a_rerun(ray_session, tmp_
     for step in range(3, 6):
         commit(c, step, 100.0 + step, buckets=(1, -1))
     c.close()
-    c2 = RunRecord(str(run), "r", 3, trackers=ALL, tracker_options=opts,
+    c2 = RunRecord(str(run), "r", trackers=ALL, tracker_options=opts,
                         params={"train.lr": 0.001, "train.max_steps": 7, "plan.bucket_boundaries": "[32, 64]"})
     c2.begin_attempt(5, 2, attempt=1, restarted=False)
     for step in (6, 7):
@@ -298,10 +298,69 @@ def test_dashboard_is_grafana_json_with_every_panel_on_the_prometheus_variable()
         for t in p["targets"]:
             assert 'run=~"$run"' in t["expr"], (p["title"], t["expr"])
     wanted = {"ray_dflash_tokens_per_second", "ray_dflash_block_tokens_per_second", "ray_dflash_loss", "ray_dflash_heldout_tau", "ray_dflash_train_tau",
-              "ray_dflash_batch_bucket_bucket", "ray_dflash_target_busy_seconds_total",
+              "ray_dflash_bucket_batches_total", "ray_dflash_target_busy_seconds_total",
               "ray_dflash_target_idle_fraction", "ray_dflash_batches_in_flight", "ray_dflash_checkpoint_seconds",
               "ray_dflash_failures_survived"}
     assert wanted <= dashboard_metrics()
+
+
+def scrape_text(port: int) -> str | None:
+    """What a node's metrics port serves now (Prometheus text); None when it did not answer."""
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
+            return r.read().decode()
+    except OSError:
+        return None
+
+
+def bucket_counts(text: str, run: str) -> dict[str, float]:
+    """bucket -> batches, from the ray_dflash_bucket_batches_total lines of one run."""
+    out = {}
+    for line in (text or "").splitlines():
+        if line.startswith("ray_dflash_bucket_batches_total{") and f'run="{run}"' in line:
+            out[re.search(r'bucket="([^"]*)"', line).group(1)] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def test_two_runs_on_one_node_both_export_their_bucket_mix(ray_session):
+    """Two runs' records in two processes of one node, with different buckets: each run's batches per bucket
+    reach the node's metrics port. Ray defines a metric once per node, from the first process to report it:
+    the histogram this replaced took its bounds from the run's bucket count, and a later run's points with
+    other bounds were dropped (Ray 2.60 skips them; 2.59 also dropped the rest of that process's report)."""
+    import uuid
+
+    import ray
+
+    from dflash_ray.runtime.record.gauges import Gauges
+
+    @ray.remote(num_cpus=0)
+    class Record:
+        def __init__(self, run):
+            self.gauges = Gauges(run)
+
+        def steps(self, buckets_per_step):
+            for i, buckets in enumerate(buckets_per_step, 1):
+                self.gauges.step({"loss": 1.0, "step": i}, {"buckets": buckets}, 1.0, 1.0)
+
+    tag = uuid.uuid4().hex[:8]
+    few, many = f"few-{tag}", f"many-{tag}"
+    records = [Record.remote(few), Record.remote(many)]
+    try:
+        ray.get(records[0].steps.remote([[0, 1], [2, 2]]))      # 3 buckets
+        ray.get(records[1].steps.remote([[6, 0], [6, -1]]))     # 7 buckets; -1 is a filler, nothing trained
+        port = ray._private.worker.global_worker.node.metrics_export_port
+        expected = {few: {"0": 1.0, "1": 1.0, "2": 2.0}, many: {"0": 1.0, "6": 2.0}}
+        deadline, seen = time.time() + 60, {}
+        while time.time() < deadline:
+            text = scrape_text(port)
+            seen = {run: bucket_counts(text, run) for run in expected}
+            if seen == expected:
+                break
+            time.sleep(1.0)
+        assert seen == expected
+    finally:
+        for r in records:
+            ray.kill(r)
 
 
 # ----------------------------------------------------------------------------- the real runs
@@ -311,10 +370,8 @@ TRACKED = ["train.trackers=[tensorboard,mlflow,wandb]", "train.wandb_mode=offlin
 
 def metric_names_on(port: int) -> set[str] | None:
     """The ray_dflash_* names the port serves now; None when it did not answer."""
-    try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as r:
-            text = r.read().decode()
-    except OSError:
+    text = scrape_text(port)
+    if text is None:
         return None
     return {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line.startswith("ray_dflash_")}
 

@@ -27,7 +27,7 @@ class FitOutcome:
 _FITS: dict[str, int] = {}   # fits started from this process, by coordinator name
 
 
-def start_run_actors(run_spec, num_buckets: int):
+def start_run_actors(run_spec):
     """The run's RunCoordinator (the flight window) and RunRecord (the run directory's writer), both pinned
     to the driver's node: the run directory is there. Returns (coordinator, record)."""
     import ray
@@ -44,7 +44,7 @@ def start_run_actors(run_spec, num_buckets: int):
     coord = ray.remote(RunCoordinator).options(name=run_spec.coordinator, **here).remote(
         run_spec.name, run_spec.cluster.max_batches_in_flight)
     record = ray.remote(RunRecord).options(name=record_actor_name(run_spec.coordinator), **here).remote(
-        run_spec.run_dir, run_spec.name, num_buckets, trackers=names,
+        run_spec.run_dir, run_spec.name, trackers=names,
         tracker_options=trackers.options(run_spec.train, run_spec.run_dir),
         params=trackers.run_params(run_spec) if names else None)
     try:
@@ -67,7 +67,7 @@ def _fresh_coordinator(run_spec):
     return run_spec if n == 0 else dataclasses.replace(run_spec, coordinator=f"{run_spec.coordinator}-{n}")
 
 
-def fit(run_spec, plans, num_buckets: int, *, progress: bool = True) -> FitOutcome:
+def fit(run_spec, plans, *, progress: bool = True) -> FitOutcome:
     """Train (or resume) the run on Ray. plans: the run's RunPlans (spec.py), built in the driver."""
     import ray
     from ray.data import DataContext
@@ -84,7 +84,7 @@ def fit(run_spec, plans, num_buckets: int, *, progress: bool = True) -> FitOutco
 
     run_spec = _fresh_coordinator(run_spec)
     c, t = run_spec.cluster, run_spec.train
-    coord, record = start_run_actors(run_spec, num_buckets)
+    coord, record = start_run_actors(run_spec)
     t0 = time.time()
     try:   # a previous driver's never-registered checkpoints: whole checkpoints' bytes nothing will read
         removed, error = remove_unregistered_checkpoints(run_spec.experiment_dir), None

@@ -1,12 +1,17 @@
 """The dflash_* Ray metrics (ray.util.metrics), exported by Ray as ray_dflash_* on each node's metrics port
 and shown in the dashboard (docs/monitoring.md, dashboards/grafana/). Set by the RunRecord; the flight
-window's dflash_batches_in_flight is the RunCoordinator's."""
+window's dflash_batches_in_flight is the RunCoordinator's.
+
+Every metric here is defined the same way by every run: Ray registers a metric name once per node, from the
+first process that reports it, so a definition that varied by run (a histogram's bounds from the run's bucket
+count, as dflash_batch_bucket had) made the node's agent drop a later run's points (Ray 2.60 skips them; 2.59
+dropped the rest of that process's report)."""
 from __future__ import annotations
 
 
 class Gauges:
-    def __init__(self, run: str, num_buckets: int):
-        from ray.util.metrics import Counter, Gauge, Histogram
+    def __init__(self, run: str):
+        from ray.util.metrics import Counter, Gauge
 
         tags = ("run",)
         self.run, self.run_name = {"run": run}, run
@@ -24,8 +29,9 @@ class Gauges:
         self.ckpt_bytes = g("dflash_checkpoint_bytes", "bytes of rank 0's files in the last checkpoint")
         self.failures_survived = g("dflash_failures_survived", "trainer group restarts + target actor restarts")
         self.idle = g("dflash_target_idle_fraction", "idle share of a target actor's lifetime", ("run", "actor"))
-        self.bucket = Histogram("dflash_batch_bucket", description="length bucket of each trained batch",
-                                boundaries=[b + 0.5 for b in range(max(num_buckets, 1))], tag_keys=tags)
+        # a bucket is a category, not a magnitude: a count per bucket id, not a histogram over ids
+        self.bucket_batches = Counter("dflash_bucket_batches", description="batches trained, by length bucket",
+                                      tag_keys=("run", "bucket"))
         self.target_batches = Counter("dflash_target_batches", description="batches a target actor computed",
                                       tag_keys=("run", "actor"))
         self.target_busy = Counter("dflash_target_busy_seconds", description="seconds a target actor computed",
@@ -39,8 +45,8 @@ class Gauges:
         self.step_no.set(int(metrics["step"]), tags=tags)
         self.epoch_progress.set(float(metrics.get("epoch_progress", 0.0)), tags=tags)
         for b in ledger_line.get("buckets", []):
-            if b >= 0:
-                self.bucket.observe(b, tags=tags)
+            if b >= 0:   # -1: a filler batch, nothing trained
+                self.bucket_batches.inc(1, tags={"run": self.run_name, "bucket": str(b)})
         self.train_tau.set(float(metrics.get("train_tau") or 0.0), tags=tags)
 
     def heldout_tau(self, tau: float) -> None:

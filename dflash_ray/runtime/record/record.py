@@ -28,14 +28,14 @@ from dflash_ray.runtime.record.ledger import read_jsonl, rollback
 
 
 class RunRecord:
-    def __init__(self, run_dir: str, run_name: str, num_buckets: int, trackers=None,
+    def __init__(self, run_dir: str, run_name: str, trackers=None,
                  tracker_options: dict | None = None, params: dict | None = None):
         from dflash_ray.runtime.record.gauges import Gauges
 
         self.files = RunLayout(run_dir)
         self.files.root.mkdir(parents=True, exist_ok=True)
         self.run_name = run_name
-        self.gauges = Gauges(run_name, num_buckets)
+        self.gauges = Gauges(run_name)
         self.gen = 0                  # the current stream's generation: commits of a replaced one are dropped
         self.started = time.time()
         self.timeline: dict[str, float] = {}   # first time each milestone happened (seconds since `started`)
