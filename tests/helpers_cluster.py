@@ -94,76 +94,133 @@ def own_processes(marker: str):
     return pids
 
 
-def submit_job_to_fresh_cluster(tmp_path: Path, job_args: list[str]) -> dict:
-    """Start a head node on 127.0.0.1, `ray job submit` the main job with `job_args`, wait for it to end,
-    watch the metrics port meanwhile, stop the cluster. Returns status, logs, a ray_dflash_ line."""
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_metrics_report_interval_ms": "2000"}
-    env.pop("RAY_ADDRESS", None)
-    temp = tempfile.mkdtemp(prefix="dfrjob", dir="/tmp")        # short: Ray puts unix sockets under it
-    gcs, dash, metrics, client, agent, agent_grpc, rtenv, nm, om = free_ports(9)
-    head_log = open(tmp_path / "head.log", "w")
-    head = subprocess.Popen(
-        [RAY, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={gcs}",
-         "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
-         f"--metrics-export-port={metrics}", f"--ray-client-server-port={client}",
-         f"--dashboard-agent-listen-port={agent}", f"--dashboard-agent-grpc-port={agent_grpc}",
-         f"--runtime-env-agent-port={rtenv}", f"--node-manager-port={nm}", f"--object-manager-port={om}",
-         "--num-cpus=4", '--resources={"target_slot": 1}', "--object-store-memory=300000000",
-         f"--temp-dir={temp}", "--disable-usage-stats"],
-        env=env, stdout=head_log, stderr=subprocess.STDOUT, start_new_session=True)
-    address = f"http://127.0.0.1:{dash}"
-    job_env = {**env, "RAY_ADDRESS": address}
-    sid = f"dflash-tiny-{os.getpid()}"
-    seen_metric, status, metric_names, train_runs = None, None, set(), None
-    try:
-        deadline = time.time() + 120
-        while http_get(f"{address}/api/version") is None:
-            assert head.poll() is None, (tmp_path / "head.log").read_text()[-3000:]
-            assert time.time() < deadline, "the head node's dashboard did not come up"
-            time.sleep(1)
-        for attempt in range(10):
-            submit = subprocess.run(
-                [RAY, "job", "submit", "--address", address, "--no-wait", "--submission-id", sid,
-                 "--runtime-env", "jobs/runtime_env.yaml", "--",
-                 sys.executable, "-m", "dflash_ray.train", *job_args],
-                cwd=REPO, env=job_env, capture_output=True, text=True, timeout=120)
-            # the dashboard can answer before its job agent is up (a loaded machine): Ray says to retry
-            if submit.returncode == 0 or "No available agent to submit job" not in submit.stderr:
-                break
-            time.sleep(3)
-        assert submit.returncode == 0, submit.stdout + submit.stderr
-        deadline, finished_at = time.time() + 420, None
-        while time.time() < deadline:
-            info = http_get(f"{address}/api/jobs/{sid}")       # what `ray job status` reads
-            status = json.loads(info).get("status") if info else None
-            if seen_metric is None or status not in ("SUCCEEDED", "FAILED", "STOPPED"):  # every name, while it runs
-                text = http_get(f"http://127.0.0.1:{metrics}/metrics") or ""
-                found = [line for line in text.splitlines() if line.startswith("ray_dflash_")]
-                metric_names |= {line.split("{")[0].split(" ")[0] for line in found}
-                seen_metric = seen_metric or (found[0] if found else None)
-            if status in ("SUCCEEDED", "FAILED", "STOPPED"):
-                finished_at = finished_at or time.time()
-                if seen_metric or status != "SUCCEEDED" or time.time() - finished_at > 20:
-                    break
-            time.sleep(1)
-        logs = subprocess.run([RAY, "job", "logs", "--address", address, sid], env=job_env,
-                              capture_output=True, text=True, timeout=60).stdout
-        train_runs = http_get(f"{address}/api/train/v2/runs/v1", timeout=30)   # what the Train view shows
-        return {"status": status, "logs": logs, "metric": seen_metric, "metrics_port": metrics,
-                "submission_id": sid, "metric_names": metric_names, "train_runs": train_runs}
-    finally:
-        head.send_signal(signal.SIGINT)                     # `ray start --block` stops its processes
+def worker_ports(node: int = 0) -> list[str]:
+    """Worker ports for node `node` of a cluster a test starts, apart from the session Rays' (Ray's default
+    10002-19999, on every xdist worker) and from each other: Ray 2.59's fresh head once handed its dashboard
+    agent a port another Ray on the machine held, and the agent's death took the raylet down with it. A block
+    of 2000 per xdist worker (its clusters run one at a time), 400 per node, below the kernel's ephemeral
+    ports (32768 on)."""
+    n = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0")[2:] or 0)
+    assert 0 <= node < 5, node
+    low = 20000 + 2000 * (n % 6) + 400 * node
+    return [f"--min-worker-port={low}", f"--max-worker-port={low + 399}"]
+
+
+class FreshHead:
+    """`ray start --head --block` on 127.0.0.1 with ports of its own, in a temp dir of its own."""
+
+    def __init__(self, log_path: Path, env: dict):
+        self.temp = tempfile.mkdtemp(prefix="dfrjob", dir="/tmp")   # short: Ray puts unix sockets under it
+        gcs, dash, self.metrics, client, agent, agent_grpc, rtenv, nm, om = free_ports(9)
+        self.log_path, self.log = log_path, open(log_path, "w")
+        self.address = f"http://127.0.0.1:{dash}"
+        self.proc = subprocess.Popen(
+            [RAY, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={gcs}",
+             "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
+             f"--metrics-export-port={self.metrics}", f"--ray-client-server-port={client}",
+             f"--dashboard-agent-listen-port={agent}", f"--dashboard-agent-grpc-port={agent_grpc}",
+             f"--runtime-env-agent-port={rtenv}", f"--node-manager-port={nm}", f"--object-manager-port={om}",
+             *worker_ports(),
+             "--num-cpus=4", '--resources={"target_slot": 1}', "--object-store-memory=300000000",
+             f"--temp-dir={self.temp}", "--disable-usage-stats"],
+            env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def died(self) -> bool:
+        """`ray start --block` exits when one of its processes dies (the raylet goes with a failed agent)."""
+        return self.proc.poll() is not None
+
+    def log_tail(self) -> str:
+        self.log.flush()
+        return self.log_path.read_text()[-3000:]
+
+    def stop(self):
+        self.proc.send_signal(signal.SIGINT)                     # `ray start --block` stops its processes
         try:
-            head.wait(timeout=60)
+            self.proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
-            head.kill()
+            self.proc.kill()
         time.sleep(1)
-        for pid in own_processes(temp):                     # whatever outlived it, by pid
+        for pid in own_processes(self.temp):                     # whatever outlived it, by pid
             try:
                 os.kill(pid, signal.SIGKILL)
             except OSError:
                 pass
-        head_log.close()
+        self.log.close()
+
+
+def submit_job_to_fresh_cluster(tmp_path: Path, job_args: list[str]) -> dict:
+    """Start a head node on 127.0.0.1, `ray job submit` the main job with `job_args`, wait for it to end,
+    watch the metrics port meanwhile, stop the cluster. Returns status, logs, a ray_dflash_ line.
+
+    A head whose own start-up died before it took the job (Ray 2.59 on this loaded machine: the raylet
+    stopped waiting for a dashboard agent that took 20 s to start) is stopped and a new one started, at most
+    twice, each said on stderr; a job the cluster took is never resubmitted."""
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_metrics_report_interval_ms": "2000"}
+    env.pop("RAY_ADDRESS", None)
+    sid = f"dflash-tiny-{os.getpid()}"
+    for attempt in range(3):
+        head = FreshHead(tmp_path / f"head{attempt}.log", env)
+        try:
+            submit = submit_to(head, env, sid, job_args)
+            if submit is None:
+                print(f"fresh head {attempt} died at start-up, starting another:\n{head.log_tail()}",
+                      file=sys.stderr)
+                continue
+            assert submit.returncode == 0, submit.stdout + submit.stderr
+            return watch_job(head, {**env, "RAY_ADDRESS": head.address}, sid)
+        finally:
+            head.stop()
+    raise AssertionError("three fresh heads died at start-up; the last one's log is above")
+
+
+def submit_to(head: FreshHead, env: dict, sid: str, job_args: list[str]):
+    """`ray job submit` once the head's dashboard answers; None when the head died before it took the job."""
+    deadline = time.time() + 120
+    while http_get(f"{head.address}/api/version") is None:
+        if head.died():
+            return None
+        assert time.time() < deadline, "the head node's dashboard did not come up"
+        time.sleep(1)
+    for _ in range(10):
+        submit = subprocess.run(
+            [RAY, "job", "submit", "--address", head.address, "--no-wait", "--submission-id", sid,
+             "--runtime-env", "jobs/runtime_env.yaml", "--",
+             sys.executable, "-m", "dflash_ray.train", *job_args],
+            cwd=REPO, env={**env, "RAY_ADDRESS": head.address}, capture_output=True, text=True, timeout=120)
+        if submit.returncode == 0:
+            return submit
+        time.sleep(2)      # `ray start --block` takes up to a second to see a dead process
+        if head.died():
+            return None
+        # the dashboard can answer before its job agent is up (a loaded machine): Ray says to retry
+        if "No available agent to submit job" not in submit.stderr:
+            return submit
+        time.sleep(1)
+    return submit
+
+
+def watch_job(head: FreshHead, job_env: dict, sid: str) -> dict:
+    """Wait for the submitted job to end, collecting the ray_dflash_ metric names the head's port serves."""
+    address, seen_metric, status, metric_names = head.address, None, None, set()
+    deadline, finished_at = time.time() + 420, None
+    while time.time() < deadline:
+        info = http_get(f"{address}/api/jobs/{sid}")       # what `ray job status` reads
+        status = json.loads(info).get("status") if info else None
+        if seen_metric is None or status not in ("SUCCEEDED", "FAILED", "STOPPED"):  # every name, while it runs
+            text = http_get(f"http://127.0.0.1:{head.metrics}/metrics") or ""
+            found = [line for line in text.splitlines() if line.startswith("ray_dflash_")]
+            metric_names |= {line.split("{")[0].split(" ")[0] for line in found}
+            seen_metric = seen_metric or (found[0] if found else None)
+        if status in ("SUCCEEDED", "FAILED", "STOPPED"):
+            finished_at = finished_at or time.time()
+            if seen_metric or status != "SUCCEEDED" or time.time() - finished_at > 20:
+                break
+        time.sleep(1)
+    logs = subprocess.run([RAY, "job", "logs", "--address", address, sid], env=job_env,
+                          capture_output=True, text=True, timeout=60).stdout
+    train_runs = http_get(f"{address}/api/train/v2/runs/v1", timeout=30)   # what the Train view shows
+    return {"status": status, "logs": logs, "metric": seen_metric, "metrics_port": head.metrics,
+            "submission_id": sid, "metric_names": metric_names, "train_runs": train_runs}
 
 
 def wait_for(pred, timeout, what, every: float = 0.1):

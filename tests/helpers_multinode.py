@@ -12,7 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from helpers_cluster import RAY, REPO, free_ports, http_get, own_processes
+from helpers_cluster import RAY, REPO, free_ports, http_get, own_processes, worker_ports
 
 HEAD_PORTS = 9     # gcs, dashboard, metrics, client, agent, agent grpc, runtime env agent, node manager, object manager
 
@@ -52,7 +52,7 @@ class Cluster:
                              f"--ray-client-server-port={client}", f"--dashboard-agent-listen-port={agent}",
                              f"--dashboard-agent-grpc-port={agent_grpc}", f"--runtime-env-agent-port={rtenv}",
                              f"--node-manager-port={nm}", f"--object-manager-port={om}", f"--temp-dir={self.temp}",
-                             *self._resources(self.head_spec)])
+                             *worker_ports(0), *self._resources(self.head_spec)])
         self.address = f"http://127.0.0.1:{dash}"
         self.gcs = f"127.0.0.1:{gcs}"
         self._wait(lambda: http_get(f"{self.address}/api/version") is not None, 120, "the head's dashboard")
@@ -64,7 +64,7 @@ class Cluster:
                                        f"--node-manager-port={nm}", f"--object-manager-port={om}",
                                        # a temp dir of its own, as on its own machine: two nodes unpacking
                                        # the job's working_dir into one directory race (files vanish)
-                                       f"--temp-dir={self.temp}w{i}", *self._resources(spec)])
+                                       f"--temp-dir={self.temp}w{i}", *worker_ports(1 + i), *self._resources(spec)])
         self._wait(lambda: len(self.alive_nodes()) == 1 + len(self.worker_specs), 120, "the worker nodes")
         return self
 
