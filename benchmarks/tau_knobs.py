@@ -33,6 +33,8 @@ Variants (comma-separated; KEY=VALUE changes one knob of the base, the preset's)
   init=last       the drafter's layers start as the target's last N (attention, MLP, their norms) and its
                   final norm as the target's; the q/k norms (the target has none if it is a Llama) and the
                   projection of the taps stay fresh
+  init=middle     the same from the N layers at the target's middle
+  initlr=X        with init: the copied tensors learn at X times the peak learning rate (fresh ones at 1x)
   A+B             both knobs (e.g. anchors=all+epochs=1: the recipe's density at about the base's time)
 `--top-k-mass N` prints instead how much of the target's next-token distribution its top k keep (distill's
 choice of k). Prints one table (final proxy tau, tau at the shortest variant's training time, steps, context and block
@@ -158,31 +160,38 @@ def set_knob(v: dict, part: str) -> None:
         v["batches_per_step"] = int(value)
     elif key == "warmup":
         v["warmup"] = float(value)
-    elif key == "init" and value == "last":
+    elif key == "init" and value in ("last", "middle"):
         v["init"] = value
+    elif key == "initlr":
+        v["init_lr_scale"] = float(value)
     else:
         raise SystemExit(f"unknown knob {part!r} (see --help)")
 
 
-def copy_last_target_layers(drafter, target_dir) -> list[int]:
-    """The drafter's N layers <- the target's last N (every tensor of the same name and shape: q/k/v/o, the MLP,
-    the two layer norms), its final norm <- the target's. Returns the target layers copied."""
+def copy_target_layers(drafter, target_dir, where: str) -> tuple[list[int], list]:
+    """The drafter's N layers <- N consecutive target layers, the last N or the N at the middle (every tensor of
+    the same name and shape: q/k/v/o, the MLP, the two layer norms), its final norm <- the target's. Returns the
+    target layers copied and the drafter's tensors that were."""
     import torch
 
     from dflash_ray.model.target import load_target
 
     target = load_target(target_dir).model
     n, total = len(drafter.layers), len(target.layers)
+    first = total - n if where == "last" else (total - n) // 2
+    copied = []
     with torch.no_grad():
-        for mine, theirs in zip(drafter.layers, target.layers[total - n:]):
+        for mine, theirs in zip(drafter.layers, target.layers[first:first + n]):
             src = theirs.state_dict()
             for name, p in mine.named_parameters():
                 if name in src and src[name].shape == p.shape:
                     p.copy_(src[name])
+                    copied.append(p)
                 elif not name.endswith(("q_norm.weight", "k_norm.weight")):
-                    raise SystemExit(f"init=last: the target's layer has no {name} of shape {tuple(p.shape)}")
+                    raise SystemExit(f"init={where}: the target's layer has no {name} of shape {tuple(p.shape)}")
         drafter.norm.weight.copy_(target.norm.weight)
-    return list(range(total - n, total))
+        copied.append(drafter.norm.weight)
+    return list(range(first, first + n)), copied
 
 
 def train_variant(v: dict, cfg, target_dir, rows, feats_by_layers, heldout_ctx, args):
@@ -209,15 +218,23 @@ def train_variant(v: dict, cfg, target_dir, rows, feats_by_layers, heldout_ctx, 
     dcfg = DrafterConfig(num_draft_layers=v["layers"], block_size=cfg.model.block_size, num_anchors=v["num_anchors"],
                          mask_token_id=cfg.model.mask_token_id, anchors_per_batch=spec.batch_anchor_cap())
     drafter = build_drafter(dcfg, AutoConfig.from_pretrained(target_dir), embed, head, seed=0)
-    if v["init"] == "last":
-        print(f"  {v['name']}: drafter layers from the target's {copy_last_target_layers(drafter, target_dir)}")
+    copied = []
+    if v["init"]:
+        layers, copied = copy_target_layers(drafter, target_dir, v["init"])
+        print(f"  {v['name']}: drafter layers from the target's {layers}")
     ids_all = np.array(sorted(rows))
     lens = np.array([len(rows[s][0]) for s in ids_all])
     sup = np.array([int(rows[s][1].sum()) for s in ids_all])
     plans = [build_plan(ids_all, lens, spec, num_supervised=sup, seed=0, epoch=e) for e in range(v["epochs"])]
     per_step = v["batches_per_step"]
     total_steps = sum(-(-p.num_batches // per_step) for p in plans)
-    opt = torch.optim.AdamW(drafter.trainable_parameters(), lr=v["lr"], weight_decay=0.0)
+    copied_ids = {id(p) for p in copied}
+    fresh = [p for p in drafter.trainable_parameters() if id(p) not in copied_ids]
+    groups = [{"params": fresh, "lr": v["lr"]}]
+    if copied:   # LambdaLR scales each group's own lr: the copied ones keep their ratio through the schedule
+        groups.append({"params": [p for p in drafter.trainable_parameters() if id(p) in copied_ids],
+                       "lr": v["lr"] * v["init_lr_scale"]})
+    opt = torch.optim.AdamW(groups, lr=v["lr"], weight_decay=0.0)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total_steps, v["warmup"]))
     model = LossModule(drafter, v["hard_weight"])
     bf16 = args.dtype == "bfloat16"
@@ -351,7 +368,7 @@ def main(argv=None) -> int:
     base = dict(loss="ce", hard_weight=0.0, lr=float(cfg.train.lr), layers=int(cfg.model.num_draft_layers),
                 num_anchors=int(cfg.model.num_anchors), anchors_per_batch=cfg.model.anchors_per_batch,
                 batches_per_step=args.batches_per_step, warmup=float(cfg.train.warmup_ratio), epochs=args.epochs,
-                init=None)
+                init=None, init_lr_scale=1.0)
     variants = [parse_variant(n.strip(), base) for n in args.variants.split(",")]
     from transformers import AutoConfig, AutoTokenizer
 
