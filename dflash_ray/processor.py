@@ -52,8 +52,12 @@ def choose_cpu_dtype(fp32_gflops: float, bf16_gflops: float) -> tuple[str, str]:
     return "float32", f"this processor has no fast bf16 ({rates}; bfloat16 from {BF16_MIN_SPEEDUP}x)"
 
 
+# what holds torch's math libraries to fewer instructions than the processor has (bf16 among them)
+ISA_KNOBS = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR")
+
+
 def processor_key() -> str:
-    """The processor's model and flags, and torch's version: what the measurement depends on."""
+    """The processor's model and flags, torch's version and the ISA_KNOBS set: what the measurement depends on."""
     import hashlib
 
     import torch
@@ -69,7 +73,8 @@ def processor_key() -> str:
         import platform
 
         model = platform.processor() or platform.machine()
-    what = json.dumps([model, sorted(flags.split()), torch.__version__])
+    what = json.dumps([model, sorted(flags.split()), torch.__version__] +
+                      [f"{k}={os.environ[k]}" for k in ISA_KNOBS if os.environ.get(k)])
     return hashlib.sha256(what.encode()).hexdigest()[:16]
 
 

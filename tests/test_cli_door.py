@@ -170,6 +170,7 @@ def test_prepare_progress_counts_rows_toward_the_inputs_total(tokdir, tmp_path, 
     assert seen[-1][0] == 5 and [n for n, _ in seen] == sorted(n for n, _ in seen)
 
 
+@pytest.mark.rounding
 def test_eval_prints_progress_per_prompt(tmp_path, monkeypatch, capsys):
     from dflash_ray.model.drafter import DrafterConfig, build_drafter
     from dflash_ray.model.export import export_drafter

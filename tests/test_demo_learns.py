@@ -14,6 +14,8 @@ import pytest
 from helpers_cluster import TrainRun
 from helpers_model import reference_acceptance_lengths
 
+pytestmark = pytest.mark.rounding
+
 # The default world, 4 of the default's 10 epochs (208 steps). Measured on the 2-core machine: fresh drafter
 # 1.00, trained 2.77 (the full default reaches 4.45). The floor sits well above 1 and below the measured value.
 SHORT_DEMO = ["train.epochs=4", "eval.during_training_prompts=4"]   # the evaluations beside training on 4

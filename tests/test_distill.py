@@ -17,6 +17,8 @@ from dflash_ray.runtime.stream.feature_cache import FeatureCache, cache_bytes, s
 from dflash_ray.runtime.stream.rows import decode_soft_labels, encode_soft_labels
 from helpers_model import TINY_QWEN3
 
+pytestmark = pytest.mark.rounding
+
 VOCAB, MASK, BLOCK = 300, 299, 6
 
 

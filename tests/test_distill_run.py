@@ -19,7 +19,7 @@ from dflash_ray.runtime.stream.rows import decode_soft_labels
 from dflash_ray.runtime.training.checkpoint_format import load_weights
 from test_feature_cache_run import assert_same_weights, computed_tokens
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.rounding]
 
 
 def test_distill_learns_from_the_targets_top_k_online_and_from_the_cache(train_run, job_run, tmp_path):

@@ -13,7 +13,7 @@ from dflash_ray.cli import run_command
 CONVERSATION = [{"role": "user", "content": "Count from 3 to 9."}, {"role": "assistant", "content": "3"}]
 TEXT = "Repeat 'red blue' 3 times."
 # The reference passes `past_key_values`, which transformers 5 deprecates in favour of `cache`.
-pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning"), pytest.mark.rounding]
 
 
 def _rendered(tok, messages):

@@ -19,6 +19,8 @@ from dflash_ray.model.speculative import greedy_generate
 from dflash_ray.model.target import TargetFeatureExtractor, build_synthetic_target, load_embed_and_head, load_target
 from helpers_model import TINY_QWEN3, reference_acceptance_lengths
 
+pytestmark = pytest.mark.rounding
+
 VOCAB = 300
 PROMPTS = [[5, 17, 42, 8, 99, 3], [250, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10]]
 STOP = [7]

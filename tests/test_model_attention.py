@@ -19,7 +19,7 @@ from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 import dflash_ray.model.attention as attention
 
 TILE = 128
-pytestmark = pytest.mark.filterwarnings("ignore:.*flex_attention called without torch.compile.*")
+pytestmark = [pytest.mark.filterwarnings("ignore:.*flex_attention called without torch.compile.*"), pytest.mark.rounding]
 
 
 def _anchors(g, batch, n, ctx_len):

@@ -30,6 +30,7 @@ from dflash_ray.model.loss import (
 from dflash_ray.model.target import TargetFeatureExtractor, build_synthetic_target, load_target
 from helpers_model import TINY_QWEN3
 
+pytestmark = pytest.mark.rounding
 TINY = {**TINY_QWEN3, "num_hidden_layers": 6, "initializer_range": 0.1}
 VOCAB, MASK, BLOCK = 300, 299, 8
 

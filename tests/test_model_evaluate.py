@@ -20,7 +20,7 @@ from helpers_model import TINY_QWEN3
 TINY = {**TINY_QWEN3, "num_hidden_layers": 4, "tie_word_embeddings": True}
 VOCAB, MASK, BLOCK = 300, 299, 8
 # The reference passes `past_key_values`, which transformers 5 deprecates in favour of `cache`.
-pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning"), pytest.mark.rounding]
 
 
 @pytest.fixture(autouse=True)

@@ -178,6 +178,7 @@ def test_sliding_window_moe_target_is_refused(tmp_path):
         TargetFeatureExtractor(load_target(d), [1])(torch.zeros(1, 4, dtype=torch.long))
 
 
+@pytest.mark.rounding
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_a_drafter_trains_on_moe_and_llama_targets(family_dirs, family):
     target = load_target(family_dirs[family])

@@ -18,6 +18,8 @@ from dflash_ray.model.target import (
 )
 from helpers_model import TINY_QWEN3
 
+pytestmark = pytest.mark.rounding
+
 TINY = {**TINY_QWEN3, "num_hidden_layers": 6, "initializer_range": 0.1}
 VOCAB = 300
 

@@ -47,3 +47,18 @@ def test_the_config_answers_by_the_processor_unless_told(monkeypatch, tmp_path):
     assert compute_dtype_why(compose_config([*real, "model.compute_dtype=float32"])) == ("float32", "model.compute_dtype")
     assert compute_dtype_why(compose_config([*real, "cluster=1gpu"]))[0] == "bfloat16"
     assert compute_dtype_why(compose_config([]))[0] == "float32"   # the embedded default: fp32 on every processor
+
+
+def test_a_setting_that_holds_the_math_libraries_back_is_measured_on_its_own(monkeypatch):
+    """ONEDNN_MAX_CPU_ISA=AVX2 on an AVX-512 BF16 processor makes torch compute bf16 itself, slowly: the
+    measurement made without it must not answer for it."""
+    for knob in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "MKL_CBWR"):
+        monkeypatch.delenv(knob, raising=False)
+    native = processor_key()
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    held = processor_key()
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "default")
+    assert len({native, held, processor_key()}) == 3
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA")
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY")
+    assert processor_key() == native

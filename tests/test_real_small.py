@@ -21,7 +21,7 @@ from helpers_model import reference_acceptance_lengths
 from dflash_ray.model import gguf as gguf_target
 from dflash_ray.paths import gguf_file, package_dir
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.rounding]
 
 REDUCED = ["model=smollm2_135m", "data=smol_prompts", "model.compute_dtype=float32",
            "data.synthetic.num_conversations=24", "data.synthetic.heldout_prompts=3", "train.epochs=4",

@@ -20,6 +20,8 @@ from dflash_ray.model.evaluate import greedy_generate
 from dflash_ray.model.generation import TRAINED_MARKER, Regenerator, train_causal_lm
 from dflash_ray.model.target import build_synthetic_target, load_target
 
+pytestmark = pytest.mark.rounding
+
 CONVS = [
     [{"role": "user", "content": "Recite the words from alpha for 5 words."},
      {"role": "assistant", "content": "alpha beta gamma delta epsilon"},

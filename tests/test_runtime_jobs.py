@@ -13,6 +13,7 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 
 from dflash_ray.runtime.training.checkpoint_format import load_weights, read_state
@@ -31,6 +32,7 @@ def test_job_succeeds_and_exports_a_dflash_metric(job_run, tiny_plan_batches):
     assert "ledger exactly-once" in job_run["logs"]
 
 
+@pytest.mark.rounding
 def test_run_directory(job_run, tiny_plan_batches):
     run, s = Path(job_run["run_dir"]), job_run["summary"]
     assert s is not None, job_run["logs"][-4000:]
