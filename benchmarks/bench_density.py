@@ -28,10 +28,10 @@ the capacity model's best layout with the H200's measured rates (benchmarks/resu
 target 33,009 context tokens/s, drafter 50,109 block tokens/s per GPU).
 
 What this cannot measure here: the target's efficiency at small forwards on a GPU (the H200 capture ran at
-2 x 3,072 tokens); benchmarks/gpu_check.sh's target sweep measures it when a device is lent.
-Goals (--check exits 1 on a FAIL): the chosen layout's drafter memory max/min over buckets <= 1.5 (issue
-23), its DDP efficiency with 6 ranks >= 0.9, and the capacity model's best layout >= 75K context tokens/s
-on 8 x H200 (the issue's moonshot; reported, a FAIL says what is missing).
+2 x 3,072 tokens); benchmarks/gpu_check.sh's target sweep measures it on a GPU machine.
+Goals (--check exits 1 on a FAIL): the chosen layout's drafter memory max/min over buckets <= 1.5, its
+DDP efficiency with 6 ranks >= 0.9, and the capacity model's best layout >= 75K context tokens/s
+on 8 x H200 (a stretch goal; reported, a FAIL says what is missing).
 """
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ MFU = counted FLOPs / step time / peak. Peak: --peak-tflops, else 989 TFLOP/s (H
 CUDA, else a measured fp32 matmul rate on the CPU (so CPU "MFU" means: fraction of what this CPU's matmul
 reaches). The table is printed last, then the goals, each PASS, FAIL or n/a:
 
-    MFU >= 45%         docs/models.md: the Qwen3-8B drafter step on an H200 (bf16). It applies on CUDA at the
+    MFU >= 45%         the Qwen3-8B drafter step on an H200 (bf16). It applies on CUDA at the
                        Qwen3-8B shape only; on a CPU or at another shape it prints n/a (a CPU "MFU" is
                        against a measured fp32 matmul rate, not the H200 figure the goal is set for)
     loss finite        every timed step's loss is a finite number (applies everywhere)
@@ -44,7 +44,7 @@ from dflash_ray.sizing.memory import Shape, drafter_step_memory  # noqa: E402
 
 QWEN3_8B = dict(hidden=4096, layers=5, heads=32, kv_heads=8, head_dim=128, intermediate=12288,
                 vocab=151936, block=16, anchors=512, context=3072, target_layers=36, batch=1)
-MFU_GOAL = 0.45  # docs/models.md: the Qwen3-8B drafter step on an H200
+MFU_GOAL = 0.45  # the Qwen3-8B drafter step on an H200
 CPU_SMALL = dict(hidden=256, layers=2, heads=4, kv_heads=2, head_dim=64, intermediate=768,
                  vocab=8192, block=16, anchors=32, context=512, target_layers=12, batch=1)
 

@@ -12,7 +12,7 @@
 
 Prints the job's phases (summary.json "phases", seconds) for each run side by side, the wall time of each
 command (process start to exit), busy / quiet, the second run's first step (seconds from its launch to
-the first step's metrics line) and the held-out tau of each run. Goals (issue 26): quiet <= 240 s,
+the first step's metrics line) and the held-out tau of each run. Goals: quiet <= 240 s,
 busy <= 2x quiet, second run's first step <= 60 s, tau >= 4.0; each printed PASS or FAIL.
 """
 from __future__ import annotations

@@ -21,7 +21,7 @@ driver and of every descendant process; the step and the target actors' busy sec
 2. Per-row CPU of the Ray path over the steady part (10% .. the last sample): CPU seconds of all the
    cluster's processes and the driver (the sampler thread's own CPU excluded) minus the model's compute,
    divided by the feed rows trained in that part. Model compute, two ways:
-   * as the issue states it: the target actors' busy seconds (wall, coordinator) + metrics.jsonl
+   * by wall time: the target actors' busy seconds (wall, coordinator) + metrics.jsonl
      `compute_seconds` x drafter workers (rank 0's wall per step, taken as every rank's: an estimate);
      wall exceeds CPU on a loaded machine, so this over-subtracts (the overhead it gives is a lower bound);
    * calibrated: the same target forward and `train_step` on the same rows in this process, one thread,

@@ -17,7 +17,7 @@ the real presets' 16,384 = 2 x 512 x 16), `recipe, unbounded` (every valid ancho
 `thinned` (model.anchors_per_batch=128: 2,048 block tokens a batch, fewer anchors than the rows hold).
 
 Goals (`--check` exits 1 when one fails): at the recipe's density with the plan's cut the largest
-bucket's step needs at most 1.5x the memory of the smallest's (issue 23; unbounded, a batch of many short
+bucket's step needs at most 1.5x the memory of the smallest's (unbounded, a batch of many short
 rows carries many more blocks than a batch of two long ones); the memory model's estimate is within 20%
 of every measured peak, in all three.
 """

@@ -10,7 +10,7 @@ created (`feed_1`), the first row admitted, the first target batch, the first st
 plus the driver's peak RSS. The per-row overhead of the Ray path is (time to the first step after the
 stream's creation) / rows, next to the steady step time.
 
-Goal (issue 11): training starts within 60 s of the stream's creation for a 280K-row run.
+Goal: training starts within 60 s of the stream's creation for a 280K-row run.
 """
 from __future__ import annotations
 

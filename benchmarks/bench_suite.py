@@ -9,8 +9,8 @@
 Runs pytest with tests/durations_report.py's `--durations-json` (every test's setup/call/teardown and every
 fixture's set-up seconds) and prints: the wall time against the tier's budget, seconds by module (tests,
 total, the slowest test), the fixtures whose set-up costs most (scope, times built, seconds), and the
-slowest tests. The budget is not a test (a timed test is flaky on a shared machine): the table shows growth
-in every closing note instead.
+slowest tests. The budget is not a test (a timed test is flaky on a shared machine): put the table in the
+description of a change that adds a slow test instead.
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ from collections import defaultdict
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-# seconds of tests, on a quiet two-core machine of the project's kind (docs/testing.md)
+# seconds of tests, on a quiet two-core machine (docs/testing.md)
 BUDGET_S = {"whole suite": 15 * 60, "quick loop (-m \"not slow\")": 90}
 
 

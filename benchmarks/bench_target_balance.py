@@ -10,7 +10,7 @@ target's shape, random weights, one thread as an actor has); a batch's time is t
 runs. The table shows the mean busy time per batch by bucket, relative to the plan's mean batch, next to
 the planner's predicted `target cost`.
 
-Goal (issue 9): busy time per batch max/min over buckets <= 1.5 with the default planner (`--check` exits
+Goal: busy time per batch max/min over buckets <= 1.5 with the default planner (`--check` exits
 1 otherwise). The token-budget-only plan is the comparison: the same tokens cost more in long rows.
 """
 from __future__ import annotations

@@ -10,7 +10,7 @@ builds a Qwen3-8B-shaped target once (random weights, bf16 on a GPU) and times t
 2 x 3,072 (where the H200's 33,009 tokens/s was measured), 2 x 8,192 (the longest bucket's). It prints
 context tokens/s per size and each size's rate relative to the largest batch's: the target's efficiency
 at the plan's small forwards. Only a GPU's figure decides anything (benchmarks/gpu_check.sh runs it on a
-lent device); --cpu-small runs the same code at a small shape (CI).
+GPU machine); --cpu-small runs the same code at a small shape (CI).
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The runtime's GPU-only code paths, without Ray (the lent GPU machine has no Ray, OmegaConf or Hydra):
+"""The runtime's GPU-only code paths, without Ray (the GPU machine's image need not have Ray, OmegaConf or Hydra):
 
     collective   the real `train_step` on a drafter on the device, bf16 autocast, its stats vector
                  all-reduced on a torch.distributed process group of world size 1 (NCCL on CUDA: a CPU

@@ -1,21 +1,22 @@
 #!/usr/bin/env bash
-# ONE prepared run for a lent GPU machine (one H200; its image has CUDA PyTorch, transformers, safetensors,
-# pyarrow, but no Ray, OmegaConf or Hydra). The parts measured on 2026-11-29 (benchmarks/results/: the
-# drafter step's MFU, thinned buckets, target capture) gave way to what has not run on a GPU yet; every
-# part has its own time-out (585 s in all, inside one 10-minute device call); GPU_CHECK_ALL=1 adds the
-# 2026-11-29 parts back (over the 10 minutes: run it in two calls):
+# ONE prepared run on a GPU machine (one GPU; the image needs CUDA PyTorch, transformers, safetensors and
+# pyarrow, not Ray, OmegaConf or Hydra). The parts measured on one H200 on 2026-11-29 (benchmarks/results/
+# h200_2026-11-29.md: the drafter step's MFU, thinned buckets, target capture) gave way to what has not run on
+# a GPU yet; every part has its own time-out (585 s in all, under 10 minutes); GPU_CHECK_ALL=1 adds the
+# 2026-11-29 parts back (over 10 minutes):
 #   1. the runtime's GPU-only paths without Ray (benchmarks/gpu_check.py): the step's all-reduce on NCCL,
 #      the bf16 feature encoding, checkpoint write/restore on CUDA
 #   2. the drafter step at the recipe's density with the plan's cut at 16,384 block tokens (the real
 #      presets' model.max_block_tokens_per_batch): the shortest bucket's batch (3 x 512, 340 anchors a
-#      row) and the longest's (2 x 8192, 512 a row): peak memory and MFU of each (issue 23's flat memory)
+#      row) and the longest's (2 x 8192, 512 a row): peak memory and MFU of each (memory flat over buckets)
 #   3. the target's capture at the plan's forward sizes, 1 x 512 .. 2 x 8192 (bench_target_sizes.py): the
 #      target's efficiency at the small batches the cut makes
 #   4. the loss's vocab chunk (ce_chunk_rows 1024, 2048, 4096; layers not compiled, the head is not anyway)
 #   5. the drafter step at Qwen3-8B's drafter shape (bf16 autocast, compiled, fused AdamW): ms/step, MFU
-# Writes $OUT/gpu_check.json (all figures) beside each part's log. The image lacks the reference `dflash`
-# (part 2's oracle): carry its wheel in .whl/ (`pip download --no-deps -d .whl dflash==0.1.0`), installed here.
-# Usage (device tool):
+# Writes $OUT/gpu_check.json (all figures) beside each part's log. Where the image lacks the reference `dflash`
+# package (part 2's oracle), put its wheel in .whl/ (`pip download --no-deps -d .whl dflash==0.1.0` on a
+# machine with PyPI): the script installs it without a network.
+# Usage (on the GPU machine):
 #   bash benchmarks/gpu_check.sh            # OUT defaults to ./gpu_check_out
 #   GPU_CHECK_CPU=1 bash benchmarks/gpu_check.sh   # the same script at CPU-small shapes (what CI runs)
 set -uo pipefail

@@ -1,7 +1,7 @@
 """The whole job through Ray on one GPU, against the runtime's own step without Ray at the same batches.
 
-Run by benchmarks/gpu_ray_check.sh (which installs the carried wheelhouse and starts Ray first) on the lent
-GPU machine; its CPU path (--cpu-small: a tiny target, a local CPU cluster) runs in the tests.
+Run by benchmarks/gpu_ray_check.sh (which installs the air-gapped wheelhouse when Ray is missing and starts
+Ray first) on a GPU machine; its CPU path (--cpu-small: a tiny target, a local CPU cluster) runs in the tests.
 
     world    a tokenizer (word-level, a few hundred tokens), a target with random weights built on the
              device (Qwen3-8B's shape on CUDA: nothing downloaded) and seed-shaped shards (the seed run's six

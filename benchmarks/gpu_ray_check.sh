@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# ONE prepared run of the whole job through Ray on a lent GPU machine (one H200; its image has CUDA PyTorch,
-# transformers, pyarrow, but no Ray, OmegaConf or Hydra): at most 8 minutes, inside one 10-minute device call.
-#   1. Ray and the missing packages from the carried wheelhouse, offline (scripts/device-wheelhouse.sh builds
-#      it here; carry .wheelhouse with the call), unless the image has them already
+# ONE prepared run of the whole job through Ray on a GPU machine (one GPU, e.g. an H200): at most 8 minutes.
+#   1. Ray and the missing packages from .wheelhouse/, offline, when the image lacks Ray, OmegaConf or Hydra
+#      (scripts/airgap-wheelhouse.sh builds it on a machine with PyPI; copy it beside this checkout;
+#      docs/air-gapped.md)
 #   2. a head node on this machine: all its CPUs, its GPU, the object store (the image's /dev/shm decides
 #      where Ray puts it: the job checks and says)
 #   3. benchmarks/gpu_ray_check.py: a Qwen3-8B-shaped target with random weights and seed-shaped data made
@@ -10,7 +10,7 @@
 #      checkpoints), the runtime's own pieces without Ray on the same batches, the ratio; the object store's
 #      own account (spills) after the job
 # Writes $OUT/gpu_ray_check.json, the job's log and summary, the object store's account.
-# Usage (device tool; carry .wheelhouse):
+# Usage (on the GPU machine; .wheelhouse/ beside the checkout when the image has no Ray):
 #   bash benchmarks/gpu_ray_check.sh                 # OUT defaults to ./gpu_ray_check_out
 #   GPU_CHECK_CPU=1 bash benchmarks/gpu_ray_check.sh  # the same at tiny shapes on a CPU head (the tests)
 #   GPU_RAY_CHECK_ARGS=--no-compile bash benchmarks/gpu_ray_check.sh   # a rerun without the drafter's compile
@@ -26,10 +26,10 @@ export PYTHONUNBUFFERED=1
 t_start=$(date +%s)
 if ! "$PY" -c "import ray, omegaconf, hydra" 2>/dev/null; then
   if [ ! -d .wheelhouse ]; then
-    echo "no Ray in $PY and no .wheelhouse/ carried: build it with scripts/device-wheelhouse.sh" >&2
+    echo "no Ray in $PY and no .wheelhouse/: build it with scripts/airgap-wheelhouse.sh (docs/air-gapped.md)" >&2
     exit 2
   fi
-  bash scripts/device-install.sh .wheelhouse > "$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 2; }
+  bash scripts/airgap-install.sh .wheelhouse > "$OUT/install.log" 2>&1 || { tail -20 "$OUT/install.log"; exit 2; }
   echo "installed the wheelhouse in $(( $(date +%s) - t_start )) s"
 fi
 RAY_BIN=$(dirname "$(command -v "$PY")")/ray
@@ -67,6 +67,6 @@ grep -iE "spill|restor|plasma|object store" "$OUT/object_store.txt" | head -8
 run_dir=$(ls -d "$OUT"/work/runs/ray_check 2>/dev/null)
 [ -n "$run_dir" ] && cp "$run_dir"/summary.json "$OUT/summary.json" 2>/dev/null
 stop_head
-rm -rf "$OUT/work/target" "$OUT/work/runs/ray_check/ray_train" "$temp" 2>/dev/null   # GBs: not sent back
+rm -rf "$OUT/work/target" "$OUT/work/runs/ray_check/ray_train" "$temp" 2>/dev/null   # GBs: not kept in $OUT
 echo "gpu_ray_check: exit $status in $(( $(date +%s) - t_start )) s"
 exit $status

@@ -1,4 +1,4 @@
-"""What moves held-out tau on the real model (issue 35, item 5): one knob at a time, each variant trained in
+"""What moves held-out tau on the real model: one knob at a time, each variant trained in
 one process from features computed once, its held-out acceptance measured as it trains, against context
 tokens and against wall time.
 

@@ -1,5 +1,5 @@
 import sys
 
-from dflash_ray.cli import main
+from dflash_ray.cli import console_main
 
-sys.exit(main())
+sys.exit(console_main())

@@ -17,7 +17,7 @@ from pathlib import Path
 from dflash_ray.errors import UserError
 
 COMMANDS = ("regenerate", "prepare", "plan", "order-stats", "train", "compare", "compare-orders", "eval", "export", "push",
-            "plot")
+            "plot", "config")
 
 # What `dflash-ray --help` (the one line) and `dflash-ray <command> --help` (the description and the main
 # config keys, each shown with its default and its line from dflash_ray/config.py) say about each command.
@@ -26,12 +26,12 @@ HELP = {
         "the conversations with every assistant turn answered by the target (greedy; a Ray Data job)",
         "The same conversations with every assistant turn replaced by the target's greedy answer, turn by turn "
         "on the regenerated history, rendered as prepare and serving render it (data.chat_template_kwargs, the "
-        "row's tools and system prompt): a Ray Data job over target actors (one per GPU the cluster has; a custom "
-        "resource on CPU machines). Resumable: the rows' own ids already in the output are skipped, a torn last "
+        "row's tools and system prompt): a Ray Data job over target actors (one per GPU the cluster has; on CPU "
+        "machines one per cluster.cpu_threads.regenerate cores). Resumable: the rows' own ids already in the output are skipped, a torn last "
         "line is cut. A turn that hits regenerate.max_new_tokens is dropped with the rest of its conversation "
         "(regenerate.on_max_tokens=keep keeps it); a conversation stops after the target's first tool call. "
         "Every case is counted by reason (malformed line or conversation, prompt over the target's context, "
-        "capped answers, tool calls).",
+        "capped answers, greedy loops, tool calls).",
         ("data.input", "data.tokenizer", "model.target_path", "regenerate.output", "regenerate.max_new_tokens",
          "regenerate.on_max_tokens", "regenerate.batch_size", "regenerate.engine", "data.chat_template_kwargs", "cluster.use_gpu")),
     "prepare": (
@@ -91,9 +91,10 @@ HELP = {
         ("train.epochs", "train.heldout_every", "run.name")),
     "eval": (
         "tau of an exported drafter against its target by greedy speculative decoding",
-        "Greedy speculative decoding of an exported drafter against its target: tau (mean accepted + 1 per "
-        "cycle), its distribution, target time saved, and a check that the output equals plain greedy decoding "
-        "(exit 1 if it does not, in fp32). Progress per prompt on stderr.",
+        "Greedy speculative decoding of an exported drafter against its target on the prompts of data.prompts "
+        "(required here: a .jsonl of token-id lists, texts or conversations): tau (mean accepted + 1 per cycle), "
+        "its distribution, the target's forward time against plain greedy decoding's, and a check that the "
+        "output equals plain greedy decoding (exit 1 if it does not, in fp32). Progress per prompt on stderr.",
         ("drafter", "model.target_path", "data.prompts", "data.tokenizer", "eval.max_new_tokens", "eval.max_prompts")),
     "export": (
         "rewrite <run.dir>/export/ from the run's latest checkpoint",
@@ -102,19 +103,29 @@ HELP = {
         ("run.name", "run.root", "train.storage_path")),
     "push": (
         "publish a run's export (drafter + model card) to the Hugging Face hub",
-        "Publish <run.dir>/export (or export=DIR: config.json, model.safetensors and README.md, the model card) "
+        "Publish <run.dir>/export (or export=DIR: config.json, model.safetensors, README.md, the model card, and "
+        "the drafter's code for trust_remote_code) "
         "to the Hugging Face hub as REPO_ID (OWNER/NAME; created if it does not exist, --private for a private "
         "one) with huggingface_hub's upload_folder. The card's serve commands are rewritten to name REPO_ID. "
         "The token is huggingface_hub's (`hf auth login` or HF_TOKEN); HF_ENDPOINT picks the hub. No token or "
         "an unreachable hub: one line, exit code 2.",
         ("run.name", "run.root")),
     "plot": (
-        "PNGs of a run's loss, tokens/s and the bucket of every step",
-        "PNGs of loss and tokens/s over steps and the bucket of every step, written into the run directory "
+        "PNGs of a run's loss, held-out tau, tokens/s and the bucket of every step",
+        "PNGs of loss over steps, loss beside held-out tau (the fresh drafter, every evaluation during training, "
+        "the trained drafter), tokens/s over steps and the bucket of every step, written into RUN_DIR/plots/ "
         "(RUN_DIR, default: run.dir of the config).",
         ("run.name", "run.root")),
+    "config": (
+        "every config key: its type, default and meaning (the typed schema)",
+        "Every config key of the typed schema with its type, its default and what it is, and what composition "
+        "accepts for it (choices, a minimum); only the keys under each PREFIX given (e.g. `dflash-ray config "
+        "train regenerate.engine`). --markdown prints the configuration reference, docs/configuration.md, with "
+        "every group's options. `--cfg job` on any command prints a composed config instead.",
+        ()),
 }
 
+RAY_COMMANDS = ("regenerate", "prepare", "train", "compare", "compare-orders")   # those that start or join Ray
 USAGE = "dflash-ray <command> [--cfg job] [--json] [--debug] [overrides...]"
 OVERRIDES = ("Overrides use Hydra's grammar on the config in dflash_ray/conf/: a.b=1, ++a.b=1, ~a.b (back to its default), "
              "group=option, lists [1,2] and dicts {a: 1}; +name=1 adds a key at the root. --cfg job prints the "
@@ -164,37 +175,10 @@ def _top_help() -> str:
 
 
 def key_docs() -> dict:
-    """Every config key -> (its default as YAML writes it, its line): from the typed schema in
-    dflash_ray/config.py, each field's comment (on its line, or on the lines just above it)."""
-    import dataclasses
-    import inspect
-    import re
-    import typing
+    """Every config key -> (its default as YAML writes it, its line): the typed schema's (dflash_ray/config.py)."""
+    from dflash_ray.config import schema_keys
 
-    from dflash_ray import config
-
-    docs = {}
-
-    def walk(cls, prefix):
-        source = inspect.getsource(cls).splitlines()
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            key = f"{prefix}{f.name}"
-            if dataclasses.is_dataclass(hints[f.name]):
-                walk(hints[f.name], key + ".")
-                continue
-            at = next(i for i, line in enumerate(source) if re.match(rf"\s+{f.name}\s*:", line))
-            doc = source[at].split("#", 1)[1].strip() if "#" in source[at] else ""
-            above = at - 1
-            while not doc and source[above].strip().startswith("#"):
-                above -= 1
-            if not doc:
-                doc = " ".join(line.strip().lstrip("#").strip() for line in source[above + 1:at])
-            default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-            docs[key] = (json.dumps(default), doc)
-
-    walk(config.RootConfig, "")
-    return docs
+    return {k.key: (json.dumps(k.default), k.doc + (f" [{k.checks()}]" if k.checks() else "")) for k in schema_keys()}
 
 
 def _command_help(cmd: str) -> str:
@@ -238,14 +222,37 @@ def _parser(cmd: str) -> argparse.ArgumentParser:
                        help="the interleave strategies to train, comma-separated (default: all of them)")
     if cmd == "plot":
         p.add_argument("run_dir", nargs="?", help="a run directory (default: run.dir of the config)")
+    if cmd == "config":
+        p.add_argument("--markdown", action="store_true", help="the configuration reference as markdown")
     if cmd == "export":
         p.add_argument("--dtype", default="target", choices=("target", "float32", "bfloat16", "float16"),
                        help="weights' dtype (default: the target's, as serving engines load the drafter)")
     if cmd == "push":
         p.add_argument("repo_id", metavar="REPO_ID", help="the hub repository, OWNER/NAME")
         p.add_argument("--private", action="store_true", help="create the repository private")
-    p.add_argument("overrides", nargs="*", help="config overrides")
+    p.add_argument("overrides", nargs="*", help="key prefixes" if cmd == "config" else "config overrides")
     return p
+
+
+def console_main() -> int:
+    """The process's entry (the `dflash-ray` script, `python -m dflash_ray`): `main` with Ray's routine messages
+    kept off the console (dflash_ray/console.py says which and how), all of them shown with --debug."""
+    import os
+
+    from dflash_ray.console import DEBUG, quiet_console, quiet_ray_environment
+
+    argv = sys.argv[1:]
+    debug = "--debug" in argv
+    if debug:
+        os.environ[DEBUG] = "1"
+    else:
+        quiet_ray_environment()
+    if argv[:1] and argv[0] in RAY_COMMANDS and not {"-h", "--help"} & set(argv):
+        from dflash_ray.runtime.cluster import choose_auth_mode
+
+        choose_auth_mode()   # before Ray is imported: it reads the mode once
+    with quiet_console(enabled=not debug):
+        return main(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -320,6 +327,8 @@ def run_command(cmd: str, argv: list[str]) -> int:
 def _dispatch(cmd: str, args) -> int:
     if cmd == "order-stats":
         return order_stats_command(args)
+    if cmd == "config" and args.cfg is None:
+        return config_command(args)
     from dflash_ray.config import compose_config, to_yaml
 
     overrides = list(args.overrides)
@@ -529,11 +538,11 @@ def train_command(cfg, args) -> int:
     led = summary["ledger"]
     loss = "-" if summary["final_loss"] is None else f"{summary['final_loss']:.4f}"
     density = summary.get("block_tokens_per_token")
-    print(f"trained {summary['steps']} steps, {summary['tokens']} tokens at "
-          f"{summary['tokens_per_second']:.0f} tokens/s ({summary.get('block_tokens_per_second', 0):.0f} block tokens/s"
-          + (f", {density:.2f} block tokens per context token" if density else "") + f"); final loss {loss}; "
-          f"failures survived: {summary['failures_survived']}; ledger "
-          f"{'exactly-once' if led['ok'] else 'NOT OK: ' + json.dumps(led)}")
+    print(f"trained {summary['steps']} steps: {summary['tokens']:,} context tokens at {summary['tokens_per_second']:,.0f}/s, "
+          f"{summary.get('block_tokens_per_second', 0):,.0f} block tokens/s"
+          + (f" ({density:.2f} per context token)" if density else "") + f"; final loss {loss}")
+    print(f"ledger {'exactly-once' if led['ok'] else 'NOT OK: ' + json.dumps(led)}: every planned batch trained once; "
+          f"failures survived: {summary['failures_survived']}")
     busy = summary.get("target_busy_by_bucket") or []
     if busy:
         print("target actors' busy time per batch by bucket: "
@@ -548,12 +557,13 @@ def train_command(cfg, args) -> int:
     tau = summary.get("heldout_tau")
     if tau:
         a, b = tau["initial"], tau["trained"]
-        print(f"held-out tau ({b['prompts']} prompts, block {run_spec.drafter.block_size}): {a['tau']:.2f} for the "
-              f"freshly initialised drafter -> {b['tau']:.2f} trained (the target's forward time "
-              f"{b['target_time_speedup']:.2f}x lower than plain greedy decoding's); output equals the target's "
-              f"greedy output: "
+        print(f"held-out tau on {b['prompts']} prompts, block {run_spec.drafter.block_size}: {a['tau']:.2f} fresh -> "
+              f"{b['tau']:.2f} trained ({target_time_words(b['target_time_speedup'])})")
+        print(f"output equals the target's greedy output: "
               f"{'yes' if b['outputs_match_greedy'] and a['outputs_match_greedy'] else 'NO'}")
     print(f"export: {summary['export']}")
+    if summary.get("ray_logs"):
+        print(f"Ray's own logs: {summary['ray_logs']}")
     print(f"run directory: {run_spec.run_dir}")
     return 0
 
@@ -628,7 +638,36 @@ def plot_command(cfg, args) -> int:
     return 0
 
 
+def config_command(args) -> int:
+    """Every config key of the typed schema (or those under the prefixes given): type, default, meaning."""
+    from dflash_ray.config import reference_lines, reference_markdown, schema_keys
+
+    if args.markdown:
+        print(reference_markdown(), end="")
+        return 0
+    prefixes = list(args.overrides) or [""]
+    known = [k.key for k in schema_keys()]
+    for prefix in prefixes:
+        if prefix and not any(k == prefix or k.startswith(prefix.rstrip(".") + ".") for k in known):
+            raise UserError(f"no config key under '{prefix}' (groups: "
+                            f"{', '.join(sorted({k.split('.')[0] for k in known if '.' in k}))})")
+    for prefix in prefixes:
+        for line in reference_lines(prefix):
+            print(_wrap(line, indent="").replace("\n", "\n    "))
+    return 0
+
+
 # ----------------------------------------------------------------------------- evaluation
+def target_time_words(speedup: float) -> str:
+    """The target's forward time with the drafter against plain greedy decoding's (greedy s / speculative s), in
+    words that cannot be misread: "2.62x less target time", or "1.64x the target time (slower)" below 1."""
+    if not speedup == speedup or speedup <= 0:   # nan: no target time measured
+        return "target time not measured"
+    if speedup >= 1:
+        return f"{speedup:.2f}x less target time than plain greedy decoding"
+    return f"{1 / speedup:.2f}x the target time of plain greedy decoding (slower)"
+
+
 def format_eval(s: dict) -> str:
     hist = " ".join(f"{k}:{v}" for k, v in enumerate(s["acceptance_histogram"]) if v)
     return "\n".join([
@@ -637,7 +676,7 @@ def format_eval(s: dict) -> str:
         f"  acceptance lengths (length:cycles)      : {hist}",
         f"  target forwards, speculative vs greedy  : {s['target_forwards_speculative']} vs {s['target_forwards_greedy']}",
         f"  target seconds, speculative vs greedy   : {s['target_seconds_speculative']:.3f} vs {s['target_seconds_greedy']:.3f} "
-        f"(x{s['target_time_speedup']:.2f}, {s['target_seconds_saved']:.3f} s saved)",
+        f"({target_time_words(s['target_time_speedup'])})",
         f"  output equals plain greedy decoding     : {'yes' if s['outputs_match_greedy'] else 'NO'}",
     ])
 

@@ -3,14 +3,15 @@ presets), composed with Hydra's compose API and override grammar, validated agai
 anything else starts. $DFLASH_RAY_CONF points it at another directory of groups (a cluster's own presets).
 (Long on purpose: every key of every group, its one default and its line, is the schema, and is read here.)
 
-The dataclasses below hold every key and its one default, each with a line saying what it is. The YAML
+The dataclasses below hold every key: its one default, a line saying what it is and what composition
+accepts of it (`knob`: choices, a minimum), which `dflash-ray config` and docs/configuration.md print. The YAML
 under conf/ sets only what differs: conf/config.yaml picks the group options, and each option
 (conf/cluster/8gpu.yaml, conf/model/qwen3_8b.yaml, ...) names only the keys whose value differs from the
 default (tests/test_config_defaults.py). Hydra composes the YAML and the overrides; the schema's defaults
 fill in every key the YAML leaves out (an override of such a key is applied as `++key=value`).
 
 Every check of the config's own values is made here, when the config is composed: unknown keys
-(`a.typo=1`), wrong types (`train.lr=abc`), choices (CHOICES), minimums (MINIMUM) and the rules between
+(`a.typo=1`), wrong types (`train.lr=abc`), choices and minimums (the knobs'; CHOICES, MINIMUM) and the rules between
 keys (`_check_rules`: bucket boundaries vs the batch budget, by check_plan_rules, which the plan's
 PlanSpec.validate calls too; the flight window vs the batches of one step; ...) raise UserError with one line that names the key (and the
 closest known one). Values are typed once, here: whatever reads the composed config (or the dataclasses)
@@ -24,7 +25,8 @@ from __future__ import annotations
 import difflib
 import os
 import re
-from dataclasses import dataclass, field, is_dataclass
+import typing
+from dataclasses import MISSING, dataclass, field, fields, is_dataclass
 from pathlib import Path
 from typing import Any, Dict, List, Optional
 
@@ -37,212 +39,25 @@ from dflash_ray.required import require  # noqa: F401  (re-exported: config.requ
 CONF_DIR = Path(os.environ.get("DFLASH_RAY_CONF", Path(__file__).resolve().parent / "conf"))
 
 
-# ----------------------------------------------------------------------------- typed schema
-# The defaults are the DFlash recipe's (the real presets and data share them); the embedded demo's options
-# (model=tiny, data=synthetic, cluster=local) set their own values for what they do differently.
-@dataclass
-class ModelConfig:
-    name: str = "tiny"                           # the preset's name (recorded with the run)
-    target_path: Optional[str] = None            # the target's Hugging Face directory (or hub id); null: built from target_config
-    target_config: Dict[str, Any] = field(default_factory=dict)  # the target's config fields: a synthetic target's (target_path null), or a preset's copy of its real target's shape for `plan` before a download
-    num_draft_layers: int = 5                    # drafter decoder layers
-    target_layer_ids: Optional[List[int]] = None  # target layers tapped for features (null: round(1 + i*(L-4)/(n-1)))
-    block_size: int = 16                         # tokens per draft block (the anchor and its B-1 masked positions)
-    mask_token_id: Optional[int] = None          # null: the tokenizer's mask token, else a reserved id past its vocabulary
-    num_anchors: int = 512                       # anchors (draft blocks) per row at most
-    # the drafter's budget: block tokens (anchors x block_size) a batch trains at most; the plan cuts batches of
-    # short, dense rows smaller so every row keeps the recipe's density (null: no bound: memory grows with it)
-    max_block_tokens_per_batch: Optional[int] = None
-    anchors_per_batch: Optional[int] = None      # thinning: blocks per batch over all its rows, fewer than they hold (null: none)
-    loss_gamma: Optional[float] = None           # loss decay over a block's positions (null: 7 for B=16, 5 for B=10, 4 for B=8)
-    drafter_intermediate_size: Optional[int] = None     # drafter MLP width (null: the target's intermediate_size)
-    drafter_num_attention_heads: Optional[int] = None   # drafter heads (null: the target's); head_dim stays the target's
-    drafter_num_key_value_heads: Optional[int] = None   # drafter key/value heads (null: the target's)
-    init_from: Optional[str] = None              # an exported drafter to start from (step 0 only; its shape must match)
-    # the target's forwards (training, regeneration) and the drafter's autocast (null: bfloat16 on GPUs; on CPUs
-    # bfloat16 where this processor multiplies bf16 fast, measured once per machine (dflash_ray/processor.py:
-    # ~4x with AMX, 58x slower on an AVX2-only one), else float32); eval stays float32 on CPUs
-    compute_dtype: Optional[str] = None
+# ----------------------------------------------------------------------------- the schema's own vocabulary
+_NO_DEFAULT = object()
 
 
-@dataclass
-class SyntheticConfig:
-    num_conversations: int = 600     # conversations of the generated corpus (data.input null)
-    min_tokens: int = 48             # conversation lengths, about min..max tokens (log-normal, long-tailed)
-    max_tokens: int = 512            # (see min_tokens)
-    target_steps: int = 1200         # train the synthesised target this many steps on the corpus (0: random)
-    regenerate: bool = True          # train the drafter on the target's own answers (dflash-ray regenerate)
-    # walks: word-cycle conversations a tiny target learns in seconds (the demo); instructions: real
-    # instruction prompts (data/instructions.py) for a real target to answer (held-out kinds and topics apart)
-    corpus: str = "walks"
-    heldout_prompts: int = 16        # prompts of a held-out corpus in <run.dir>/heldout.jsonl (tau)
-    # the world built once per machine and copied into each run (keyed by its config and seed; no tokenizer or
-    # target given): <cache_dir>/<key>/, cache_dir null: $DFLASH_RAY_CACHE/demo-worlds, else ~/.cache/dflash-ray/demo-worlds
-    cache: bool = True
-    cache_dir: Optional[str] = None
+def knob(default: Any = _NO_DEFAULT, doc: str = "", *, factory=None, choices: tuple | None = None,
+         minimum: float | None = None, at_least: str | None = None):
+    """A key of the typed schema: its one default (`factory` for a mutable one), what it is (the line
+    `dflash-ray config` and docs/configuration.md print), and what composition checks of its value: one of
+    `choices`, at least `minimum` (`at_least`: what that least value means, where it means more than a number)."""
+    meta = {"doc": doc, "choices": choices, "minimum": minimum, "at_least": at_least}
+    if factory is not None:
+        return field(default_factory=factory, metadata=meta)
+    assert default is not _NO_DEFAULT, "a knob needs a default or a factory"
+    return field(default=default, metadata=meta)
 
 
-@dataclass
-class DataConfig:
-    input: Optional[str] = None      # conversations (.jsonl/.json/.parquet, dir, glob) for `prepare`; null: a synthetic corpus
-    tokenizer: Optional[str] = None  # tokenizer directory; null: one trained on the synthetic corpus
-    output: Optional[str] = "${run.dir}/shards"   # where `prepare` writes parquet shards
-    shards: Optional[str] = "${data.output}"      # where `plan` and training read them
-    prompts: Optional[str] = None    # prompts .jsonl for `eval` and the main job's held-out tau (null: <shards>/heldout.jsonl if any)
-    # share of the conversations (by id) `prepare` keeps out of the shards; their prompts go to <output>/heldout.jsonl
-    # and the main job reports tau on them (0: none held out)
-    heldout_fraction: float = 0.01
-    shard_size: int = 10000          # samples per parquet shard
-    vocab_size: Optional[int] = None  # when known, token ids >= vocab_size are rejected
-    # upper bounds (inclusive) of the length buckets (the seed run's six)
-    bucket_boundaries: List[int] = field(default_factory=lambda: [512, 1024, 1536, 2304, 3296, 8192])
-    max_tokens_per_batch: int = 16384  # the target's budget: padded tokens (rows x longest row) per batch
-    overlong: str = "truncate"       # samples over the last boundary: truncate | drop
-    interleave: str = "default"      # order of the buckets' batches: default | stride | sequential | random | diversity
-    chunk_batches: int = 64          # batches formed per length-sorted chunk (more: less padding, less mixing)
-    # La: the row length where a token's attention work equals its linear work; fewer rows for long-row batches
-    # so every bucket's batch costs the target about the same (null: from the target's shape by FLOP count;
-    # 0: token budget only)
-    attention_tokens: Optional[float] = None
-    format: str = "auto"             # prepare's input rows: auto | sharegpt | openai | conversations (auto: per row)
-    on_bad_row: str = "fail"         # prepare: fail (one line naming file and row) | skip (counted by reason)
-    turns: str = "all"               # history-rewriting templates (Qwen3): a row per assistant turn (all) or the last only
-    chat_template_kwargs: Optional[Dict[str, Any]] = None  # the served template's arguments, e.g. {enable_thinking: false}
-    prepare_engine: str = "local"    # prepare: local (one process) | ray (a Ray Data job on cluster.*: for large inputs)
-    prepare_rows_per_task: int = 2000  # ray: conversations per task
-    synthetic: SyntheticConfig = field(default_factory=SyntheticConfig)  # the generated corpus (data.input null)
-
-
-@dataclass
-class CpuThreadsConfig:              # torch's threads per process kind on CPUs (dflash_ray/threads.py: measured)
-    driver: Optional[int] = None     # the job's own compute (the demo target's training); null: every core
-    regenerate: int = 1              # a regeneration actor (generate: small matmuls, one token a step per row)
-    target: int = 1                  # a target actor during training (beside the trainers)
-    trainer: int = 1                 # a Ray Train drafter worker (beside the target actors)
-    evaluate: int = 1                # held-out tau tasks (speculative decoding: a token or a block a forward)
-
-
-@dataclass
-class ClusterConfig:
-    name: str = "local"              # the option's name (recorded with the run)
-    address: Optional[str] = None    # Ray address: auto (a running cluster) | null ($RAY_ADDRESS, else a local Ray)
-    num_cpus: Optional[int] = 4      # logical CPUs of a local Ray (oversubscribed on purpose: Ray Data starves otherwise)
-    object_store_memory: Optional[int] = None  # bytes of a local Ray's object store (null: Ray's default)
-    use_gpu: bool = False            # GPUs for the target actors and drafter workers (false: CPU, gloo DDP)
-    target_workers: int = 1          # target actors (one per target GPU)
-    drafter_workers: int = 2         # Ray Train workers (one per drafter GPU)
-    target_resource: str = "target_slot"  # custom resource each target actor takes when use_gpu is false
-    target_gpus: float = 1.0         # GPU share of each target actor (use_gpu; < 1 shares a GPU)
-    # GPUs one target replica spans: its layers split over that many actors on one node, each with a target
-    # actor's share, in a pipeline (model/target.py load_target_stage, replica_features; a 70B target on 80 GB GPUs)
-    target_gpus_per_replica: int = 1
-    drafter_gpus: float = 1.0        # GPU share of each drafter worker (use_gpu; < 1 shares a GPU)
-    max_batches_in_flight: int = 4   # plan batches between the target actors and the trainers at most
-    nodes: int = 1                   # nodes the cluster has (the capacity model's per-node split; the runtime sees them)
-    token_block_mb: float = 8.0      # the token store's blocks (Ray Data, in the object stores): the transfer unit
-    token_cache_mb: float = 256.0    # blocks each join process keeps (LRU)
-    stream_block_mb: float = 32.0    # Ray Data blocks of the stream: as many plan batches as fit (0: one a block)
-    device_memory_gb: float = 139.0  # GiB per GPU, as torch.cuda reports it (H200: ~139); the memory model's bound
-    # measured rates for the capacity model (plan), each side in its unit (null: a measured run's summary, else
-    # the seed run): the target's context tokens/s per device, the drafter's trained block tokens/s per device
-    target_tokens_per_gpu: Optional[float] = None
-    drafter_block_tokens_per_gpu: Optional[float] = None
-    cpu_threads: CpuThreadsConfig = field(default_factory=CpuThreadsConfig)
-
-
-@dataclass
-class TrainConfig:
-    epochs: int = 1                  # passes over the data (every model option sets its own)
-    max_steps: Optional[int] = None  # stop early after this many optimizer steps (null: all epochs)
-    lr: float = 6e-4                 # AdamW's peak learning rate
-    weight_decay: float = 0.0        # AdamW's weight decay
-    warmup_ratio: float = 0.04       # share of the steps with a linear warm-up (then cosine decay)
-    grad_clip: float = 1.0           # gradient norm clip
-    grad_accum: int = 1              # optimizer step = drafter_workers x grad_accum consecutive plan batches
-    checkpoint_every: Optional[int] = None          # optimizer steps (0/null: off); also at each epoch's end and the end
-    checkpoint_every_minutes: Optional[float] = 30.0  # rank 0's clock since the last checkpoint (0/null: off)
-    checkpoint_upload: str = "async"               # async: Ray Train uploads while training goes on; sync: waits
-    num_to_keep: int = 2             # checkpoints kept
-    max_failures: int = 3            # worker-group restarts (from the last checkpoint) before the run fails
-    # Ray Data stream blocks per stream (~25 KB of split-coordinator state each); longer runs train as fits of
-    # this many blocks, each resuming from the last one's checkpoint; 0: one stream
-    stream_segment_blocks: int = 50000
-    max_nonfinite_steps: int = 10    # stop after this many NaN/Inf steps in a row (skipped, counted; 0: never stop)
-    storage_path: Optional[str] = None  # Ray Train storage (null: <run.dir>/ray_train; shared on multi-node)
-    tensorboard: bool = False        # the older switch: the same as adding tensorboard to trackers
-    trackers: Optional[List[str]] = None   # any of tensorboard, mlflow, wandb (null/[]: metrics.jsonl only)
-    tracker_project: str = "dflash-ray"    # MLflow experiment / W&B project
-    mlflow_tracking_uri: Optional[str] = None  # null: $MLFLOW_TRACKING_URI, else sqlite:///<run.root>/mlflow.db
-    wandb_mode: Optional[str] = None       # online | offline | disabled; null: $WANDB_MODE, else online when logged in
-    heldout_every: int = 0           # held-out tau every N steps during training (0: only after training)
-    compile: bool = True             # CUDA: torch.compile the drafter's layers (flex attention fuses in them)
-    # the drafter across ranks: ddp (whole on each) | fsdp (sharded) | auto (ddp when the memory model says
-    # the step fits the drafter's GPU share, else fsdp)
-    parallelism: str = "auto"
-    recompute_layers: bool = False  # activation checkpointing of the drafter's layers: recompute in backward
-    # the target's features: online (every epoch through the target actors) | hybrid (each sample's computed
-    # once, cached on the node, read back after) | offline (hybrid, every sample computed first, before the
-    # drafter starts, on every target slot) | auto (hybrid for runs of 2+ epochs whose cache fits; the real
-    # presets' choice). Online by default: the
-    # cache's features equal online's up to float rounding (another batch shape), and the embedded default's
-    # runs stay bit for bit reproducible
-    features: str = "online"
-    feature_cache_dir: Optional[str] = None   # node-local (null: $DFLASH_RAY_CACHE/features, ~/.cache/dflash-ray)
-    feature_cache_gb: float = 64.0            # the cache's disk budget per node: over it, a run stays online
-    # the drafter's label: ce (the next token, hard) | distill (the target's next-token distribution, its
-    # top-k renormalised, computed by the target actors beside the features and cached with them)
-    loss: str = "ce"
-    distill_top_k: int = 8           # distill: the target's most likely tokens kept per position
-    distill_hard_weight: float = 0.0  # distill: the hard label's share of each slot's label (0: pure distillation)
-
-
-@dataclass
-class RunConfig:
-    name: str = "default"            # the run's name: its directory, its Ray Train experiment
-    root: str = "runs"               # where run directories live
-    dir: str = "${run.root}/${run.name}"  # the run's directory (record, shards, exports)
-
-
-@dataclass
-class PlanConfig:
-    epoch: int = 0                   # the epoch the `plan` command lays out
-
-
-@dataclass
-class EvalConfig:                    # prompts rendered with data.chat_template_kwargs, as prepare renders
-    max_new_tokens: int = 64         # tokens generated per prompt (`dflash-ray eval`, the held-out tau)
-    max_prompts: int = 32            # prompts of data.prompts evaluated at most
-    # the held-out evaluations during training (train.heldout_every) measure the first N of those prompts, the
-    # final one all of them (null: all): on a CPU an evaluation shares the cores with training
-    during_training_prompts: Optional[int] = None
-
-
-@dataclass
-class RegenerateConfig:              # renders with data.chat_template_kwargs: give prepare the same
-    output: Optional[str] = None     # the regenerated conversations .jsonl
-    # tokens per assistant turn at most: the recipe's longest bucket (data.bucket_boundaries), where training
-    # rows are cut anyway; thinking answers run to thousands of tokens, and greedy thinking can loop
-    max_new_tokens: int = 8192
-    on_max_tokens: str = "drop"      # a turn that hits max_new_tokens: drop (it and the rest of its conversation) | keep
-    batch_size: int = 32             # conversations per generate() call on a target actor (continuous: rows in flight)
-    # batched: generate() over batches of like-length prompts, each running to its longest row; continuous:
-    # transformers' continuous batching, a finished row's slot taken by the next prompt (model/generation.py)
-    engine: str = "batched"
-
-
-@dataclass
-class RootConfig:
-    model: ModelConfig = field(default_factory=ModelConfig)
-    data: DataConfig = field(default_factory=DataConfig)
-    cluster: ClusterConfig = field(default_factory=ClusterConfig)
-    train: TrainConfig = field(default_factory=TrainConfig)
-    seed: int = 0                    # seeds the plan's order, the synthetic world and the drafter's initialisation
-    run: RunConfig = field(default_factory=RunConfig)
-    plan: PlanConfig = field(default_factory=PlanConfig)
-    drafter: Optional[str] = None    # `dflash-ray eval`: an exported drafter directory
-    target: Optional[str] = None     # `dflash-ray eval`: a Hugging Face target directory
-    eval: EvalConfig = field(default_factory=EvalConfig)
-    regenerate: RegenerateConfig = field(default_factory=RegenerateConfig)
+def group(cls, doc: str = ""):
+    """A group of keys (a dataclass of its own) inside another, with its line."""
+    return field(default_factory=cls, metadata={"doc": doc})
 
 
 # the choices the data layer reads (data/formats.py, data/interleave.py): here, below the data layer, so the
@@ -252,29 +67,357 @@ ON_BAD_ROW = ("fail", "skip")
 STRATEGIES = ("default", "stride", "sequential", "random", "diversity")   # data/interleave.py's orders
 ENGINES = ("batched", "continuous")   # regeneration's (model/generation.py Regenerator)
 
-CHOICES = {"data.overlong": ("truncate", "drop"), "data.format": FORMATS, "data.on_bad_row": ON_BAD_ROW,
-           "data.turns": ("all", "last"), "data.prepare_engine": ("local", "ray"), "data.interleave": STRATEGIES,
-           "train.checkpoint_upload": ("async", "sync"), "train.parallelism": ("auto", "ddp", "fsdp"),
-           "train.features": ("auto", "online", "hybrid", "offline"), "train.loss": ("ce", "distill"), "regenerate.on_max_tokens": ("drop", "keep"),
-           "regenerate.engine": ENGINES,
-           "data.synthetic.corpus": ("walks", "instructions"), "model.compute_dtype": (None, "bfloat16", "float32")}
-MINIMUM = {"model.block_size": 2, "model.num_draft_layers": 1, "model.num_anchors": 1, "model.anchors_per_batch": 1,
-           "model.max_block_tokens_per_batch": 1,
-           "model.drafter_intermediate_size": 1, "model.drafter_num_attention_heads": 1,
-           "model.drafter_num_key_value_heads": 1,
-           "data.shard_size": 1, "data.max_tokens_per_batch": 1, "data.chunk_batches": 1, "data.attention_tokens": 0,
-           "data.prepare_rows_per_task": 1, "data.synthetic.target_steps": 0, "data.synthetic.heldout_prompts": 0,
-           "cluster.target_workers": 1, "cluster.drafter_workers": 1, "cluster.target_gpus_per_replica": 1, "cluster.target_gpus": 0.01,
-           "cluster.drafter_gpus": 0.01, "cluster.max_batches_in_flight": 1, "cluster.nodes": 1,
-           "cluster.stream_block_mb": 0, "cluster.device_memory_gb": 0.1, "train.feature_cache_gb": 0,
-           "data.heldout_fraction": 0.0, "train.epochs": 1, "train.lr": 0.0, "train.warmup_ratio": 0.0, "train.grad_accum": 1,
-           "train.checkpoint_every": 0, "train.checkpoint_every_minutes": 0.0, "train.num_to_keep": 1,
-           "train.max_failures": 0, "train.stream_segment_blocks": 0, "train.max_nonfinite_steps": 0,
-           "train.heldout_every": 0, "train.distill_top_k": 1, "train.distill_hard_weight": 0.0,
-           "eval.max_new_tokens": 1, "eval.during_training_prompts": 1, "regenerate.max_new_tokens": 1, "regenerate.batch_size": 1}
-# what the least value means, where it means more than a number (said with the minimum)
-AT_LEAST = {"data.attention_tokens": "0: no attention term", "cluster.stream_block_mb": "0: one plan batch a block",
-            "train.stream_segment_blocks": "0: one stream for the whole run", "train.max_nonfinite_steps": "0: never stop"}
+
+# ----------------------------------------------------------------------------- typed schema
+# The defaults are the DFlash recipe's (the real presets and data share them); the embedded demo's options
+# (model=tiny, data=synthetic, cluster=local) set their own values for what they do differently.
+@dataclass
+class ModelConfig:
+    name: str = knob("tiny", "the preset's name (recorded with the run)")
+    target_path: Optional[str] = knob(None,
+        doc="the target's Hugging Face directory (or hub id); null: built from target_config")
+    target_config: Dict[str, Any] = knob(factory=dict,
+        doc="the target's config fields: a synthetic target's (target_path null), or a preset's copy of its real "
+            "target's shape for `plan` before a download")
+    num_draft_layers: int = knob(5, 'drafter decoder layers', minimum=1)
+    target_layer_ids: Optional[List[int]] = knob(None,
+        doc='target layers tapped for features (null: round(1 + i*(L-4)/(n-1)))')
+    block_size: int = knob(16, 'tokens per draft block (the anchor and its B-1 masked positions)', minimum=2)
+    mask_token_id: Optional[int] = knob(None,
+        doc="null: the tokenizer's mask token, else a reserved id past its vocabulary")
+    num_anchors: int = knob(512, 'anchors (draft blocks) per row at most', minimum=1)
+    max_block_tokens_per_batch: Optional[int] = knob(None, minimum=1,
+        doc="the drafter's budget: block tokens (anchors x block_size) a batch trains at most; the plan cuts "
+            "batches of short, dense rows smaller so every row keeps the recipe's density (null: no bound: memory "
+            'grows with it)')
+    anchors_per_batch: Optional[int] = knob(None, minimum=1,
+        doc='thinning: blocks per batch over all its rows, fewer than they hold (null: none)')
+    loss_gamma: Optional[float] = knob(None,
+        doc="loss decay over a block's positions (null: 7 for B=16, 5 for B=10, 4 for B=8)")
+    drafter_intermediate_size: Optional[int] = knob(None, minimum=1,
+        doc="drafter MLP width (null: the target's intermediate_size)")
+    drafter_num_attention_heads: Optional[int] = knob(None, minimum=1,
+        doc="drafter heads (null: the target's); head_dim stays the target's")
+    drafter_num_key_value_heads: Optional[int] = knob(None, "drafter key/value heads (null: the target's)", minimum=1)
+    init_from: Optional[str] = knob(None, 'an exported drafter to start from (step 0 only; its shape must match)')
+    compute_dtype: Optional[str] = knob(None, choices=(None, 'bfloat16', 'float32'),
+        doc="the target's forwards (training, regeneration) and the drafter's autocast (null: bfloat16 on GPUs; "
+            'on CPUs bfloat16 where this processor multiplies bf16 fast, measured once per machine '
+            '(dflash_ray/processor.py: ~4x with AMX, 58x slower on an AVX2-only one), else float32); eval stays '
+            'float32 on CPUs')
+
+
+@dataclass
+class SyntheticConfig:
+    num_conversations: int = knob(600, 'conversations of the generated corpus (data.input null)')
+    min_tokens: int = knob(48, 'conversation lengths, about min..max tokens (log-normal, long-tailed)')
+    max_tokens: int = knob(512, 'conversation lengths: the upper end (see min_tokens)')
+    target_steps: int = knob(1200, minimum=0,
+        doc='train the synthesised target this many steps on the corpus (0: random)')
+    regenerate: bool = knob(True, "train the drafter on the target's own answers (dflash-ray regenerate)")
+    corpus: str = knob("walks", choices=('walks', 'instructions'),
+        doc='walks: word-cycle conversations a tiny target learns in seconds (the demo); instructions: real '
+            'instruction prompts (data/instructions.py) for a real target to answer (held-out kinds and topics '
+            'apart)')
+    heldout_prompts: int = knob(16, 'prompts of a held-out corpus in <run.dir>/heldout.jsonl (tau)', minimum=0)
+    cache: bool = knob(True, "build the world once per machine and copy it into each run (keyed by its config and "
+                             "seed; when no tokenizer or target is given)")
+    cache_dir: Optional[str] = knob(None, "where the worlds are kept, <cache_dir>/<key>/ (null: "
+                                          "$DFLASH_RAY_CACHE/demo-worlds, else ~/.cache/dflash-ray/demo-worlds)")
+
+
+@dataclass
+class DataConfig:
+    input: Optional[str] = knob(None,
+        doc='conversations (.jsonl/.json/.parquet, dir, glob) for `prepare`; null: a synthetic corpus')
+    tokenizer: Optional[str] = knob(None, 'tokenizer directory; null: one trained on the synthetic corpus')
+    output: Optional[str] = knob("${run.dir}/shards", 'where `prepare` writes parquet shards')
+    shards: Optional[str] = knob("${data.output}", 'where `plan` and training read them')
+    prompts: Optional[str] = knob(None,
+        doc="prompts .jsonl for `eval` and the main job's held-out tau (null: <shards>/heldout.jsonl if any)")
+    heldout_fraction: float = knob(0.01, minimum=0.0,
+        doc='share of the conversations (by id) `prepare` keeps out of the shards; their prompts go to '
+            '<output>/heldout.jsonl and the main job reports tau on them (0: none held out)')
+    shard_size: int = knob(10000, 'samples per parquet shard', minimum=1)
+    vocab_size: Optional[int] = knob(None, 'when known, token ids >= vocab_size are rejected')
+    bucket_boundaries: List[int] = knob(factory=lambda: [512, 1024, 1536, 2304, 3296, 8192],
+        doc="upper bounds (inclusive) of the length buckets (the recipe's six, up to 8K tokens)")
+    max_tokens_per_batch: int = knob(16384, minimum=1,
+        doc="the target's budget: padded tokens (rows x longest row) per batch")
+    overlong: str = knob("truncate", 'samples over the last boundary: truncate | drop', choices=('truncate', 'drop'))
+    interleave: str = knob("default", choices=STRATEGIES,
+        doc="order of the buckets' batches: default | stride | sequential | random | diversity")
+    chunk_batches: int = knob(64, minimum=1,
+        doc='batches formed per length-sorted chunk (more: less padding, less mixing)')
+    attention_tokens: Optional[float] = knob(None, minimum=0, at_least='0: no attention term',
+        doc="La: the row length where a token's attention work equals its linear work; fewer rows for long-row "
+            "batches so every bucket's batch costs the target about the same (null: from the target's shape by "
+            'FLOP count; 0: token budget only)')
+    format: str = knob("auto", choices=FORMATS,
+        doc="prepare's input rows: auto | sharegpt | openai | conversations (auto: per row)")
+    on_bad_row: str = knob("fail", choices=ON_BAD_ROW,
+        doc='prepare: fail (one line naming file and row) | skip (counted by reason)')
+    turns: str = knob("all", choices=('all', 'last'),
+        doc='history-rewriting templates (Qwen3): a row per assistant turn (all) or the last only')
+    chat_template_kwargs: Optional[Dict[str, Any]] = knob(None,
+        doc="the served template's arguments, e.g. {enable_thinking: false}")
+    prepare_engine: str = knob("local", choices=('local', 'ray'),
+        doc='prepare: local (one process) | ray (a Ray Data job on cluster.*: for large inputs)')
+    prepare_rows_per_task: int = knob(2000, 'ray: conversations per task', minimum=1)
+    synthetic: SyntheticConfig = group(SyntheticConfig, 'the generated corpus (data.input null)')
+
+
+@dataclass
+class CpuThreadsConfig:
+    """torch's threads per process kind on CPUs (dflash_ray/threads.py: measured)"""
+    driver: Optional[int] = knob(None, "the job's own compute (the demo target's training); null: every core")
+    regenerate: int = knob(1, 'a regeneration actor (generate: small matmuls, one token a step per row)')
+    target: int = knob(1, 'a target actor during training (beside the trainers)')
+    trainer: int = knob(1, 'a Ray Train drafter worker (beside the target actors)')
+    evaluate: int = knob(1, 'held-out tau tasks (speculative decoding: a token or a block a forward)')
+
+
+@dataclass
+class ClusterConfig:
+    name: str = knob("local", "the option's name (recorded with the run)")
+    address: Optional[str] = knob(None,
+        doc='Ray address: auto (a running cluster) | null ($RAY_ADDRESS, else a local Ray)')
+    num_cpus: Optional[int] = knob(4,
+        doc='logical CPUs of a local Ray (oversubscribed on purpose: Ray Data starves otherwise)')
+    object_store_memory: Optional[int] = knob(None, "bytes of a local Ray's object store (null: Ray's default)")
+    use_gpu: bool = knob(False, 'GPUs for the target actors and drafter workers (false: CPU, gloo DDP)')
+    target_workers: int = knob(1, 'target actors (one per target GPU)', minimum=1)
+    drafter_workers: int = knob(2, 'Ray Train workers (one per drafter GPU)', minimum=1)
+    target_resource: str = knob("target_slot", 'custom resource each target actor takes when use_gpu is false')
+    target_gpus: float = knob(1.0, 'GPU share of each target actor (use_gpu; < 1 shares a GPU)', minimum=0.01)
+    target_gpus_per_replica: int = knob(1, minimum=1,
+        doc='GPUs one target replica spans: its layers split over that many actors on one node, each with a '
+            "target actor's share, in a pipeline (model/target.py load_target_stage, replica_features; a 70B "
+            'target on 80 GB GPUs)')
+    drafter_gpus: float = knob(1.0, 'GPU share of each drafter worker (use_gpu; < 1 shares a GPU)', minimum=0.01)
+    max_batches_in_flight: int = knob(4, 'plan batches between the target actors and the trainers at most', minimum=1)
+    nodes: int = knob(1, minimum=1,
+        doc="nodes the cluster has (the capacity model's per-node split; the runtime sees them)")
+    token_block_mb: float = knob(8.0, "the token store's blocks (Ray Data, in the object stores): the transfer unit")
+    token_cache_mb: float = knob(256.0, 'blocks each join process keeps (LRU)')
+    stream_block_mb: float = knob(32.0, minimum=0, at_least='0: one plan batch a block',
+        doc='Ray Data blocks of the stream: as many plan batches as fit (0: one a block)')
+    device_memory_gb: float = knob(139.0, minimum=0.1,
+        doc="GiB per GPU, as torch.cuda reports it (H200: ~139); the memory model's bound")
+    target_tokens_per_gpu: Optional[float] = knob(
+        None, "the capacity model's (plan) measured rate of the target: context tokens/s per device (null: a "
+              "measured run's summary, else a reference 8-GPU Qwen3-8B run's)")
+    drafter_block_tokens_per_gpu: Optional[float] = knob(
+        None, "the capacity model's measured rate of the drafter: trained block tokens/s per device (null: a "
+              "measured run's summary, else a reference 8-GPU Qwen3-8B run's)")
+    cpu_threads: CpuThreadsConfig = group(CpuThreadsConfig)
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = knob(1, 'passes over the data (every model option sets its own)', minimum=1)
+    max_steps: Optional[int] = knob(None, 'stop early after this many optimizer steps (null: all epochs)')
+    lr: float = knob(6e-4, "AdamW's peak learning rate", minimum=0.0)
+    weight_decay: float = knob(0.0, "AdamW's weight decay")
+    warmup_ratio: float = knob(0.04, 'share of the steps with a linear warm-up (then cosine decay)', minimum=0.0)
+    grad_clip: float = knob(1.0, 'gradient norm clip')
+    grad_accum: int = knob(1, 'optimizer step = drafter_workers x grad_accum consecutive plan batches', minimum=1)
+    checkpoint_every: Optional[int] = knob(None, minimum=0,
+        doc="optimizer steps (0/null: off); also at each epoch's end and the end")
+    checkpoint_every_minutes: Optional[float] = knob(30.0, minimum=0.0,
+        doc="rank 0's clock since the last checkpoint (0/null: off)")
+    checkpoint_upload: str = knob("async", choices=('async', 'sync'),
+        doc='async: Ray Train uploads while training goes on; sync: waits')
+    num_to_keep: int = knob(2, 'checkpoints kept', minimum=1)
+    max_failures: int = knob(3, 'worker-group restarts (from the last checkpoint) before the run fails', minimum=0)
+    stream_segment_blocks: int = knob(50000, minimum=0, at_least='0: one stream for the whole run',
+        doc='Ray Data stream blocks per stream (~25 KB of split-coordinator state each); longer runs train as '
+            "fits of this many blocks, each resuming from the last one's checkpoint; 0: one stream")
+    max_nonfinite_steps: int = knob(10, minimum=0, at_least='0: never stop',
+        doc='stop after this many NaN/Inf steps in a row (skipped, counted; 0: never stop)')
+    storage_path: Optional[str] = knob(None, 'Ray Train storage (null: <run.dir>/ray_train; shared on multi-node)')
+    tensorboard: bool = knob(False, 'the older switch: the same as adding tensorboard to trackers')
+    trackers: Optional[List[str]] = knob(None, 'any of tensorboard, mlflow, wandb (null/[]: metrics.jsonl only)')
+    tracker_project: str = knob("dflash-ray", 'MLflow experiment / W&B project')
+    mlflow_tracking_uri: Optional[str] = knob(None, 'null: $MLFLOW_TRACKING_URI, else sqlite:///<run.root>/mlflow.db')
+    wandb_mode: Optional[str] = knob(None,
+        doc='online | offline | disabled; null: $WANDB_MODE, else online when logged in')
+    heldout_every: int = knob(0, 'held-out tau every N steps during training (0: only after training)', minimum=0)
+    compile: bool = knob(True, "CUDA: torch.compile the drafter's layers (flex attention fuses in them)")
+    parallelism: str = knob("auto", choices=('auto', 'ddp', 'fsdp'),
+        doc='the drafter across ranks: ddp (whole on each) | fsdp (sharded) | auto (ddp when the memory model '
+            "says the step fits the drafter's GPU share, else fsdp)")
+    recompute_layers: bool = knob(False, "activation checkpointing of the drafter's layers: recompute in backward")
+    features: str = knob("online", choices=('auto', 'online', 'hybrid', 'offline'),
+        doc="the target's features: online (every epoch through the target actors) | hybrid (each sample's "
+            'computed once, cached on the node, read back after) | offline (hybrid, every sample computed first, '
+            'before the drafter starts, on every target slot) | auto (hybrid for runs of 2+ epochs whose cache '
+            "fits; the real presets' choice). Online by default: the cache's features equal online's up to float "
+            "rounding (another batch shape), and the embedded default's runs stay bit for bit reproducible")
+    feature_cache_dir: Optional[str] = knob(None,
+        doc='node-local (null: $DFLASH_RAY_CACHE/features, ~/.cache/dflash-ray)')
+    feature_cache_gb: float = knob(64.0, "the cache's disk budget per node: over it, a run stays online", minimum=0)
+    loss: str = knob("ce", choices=('ce', 'distill'),
+        doc="the drafter's label: ce (the next token, hard) | distill (the target's next-token distribution, its "
+            'top-k renormalised, computed by the target actors beside the features and cached with them)')
+    distill_top_k: int = knob(8, "distill: the target's most likely tokens kept per position", minimum=1)
+    distill_hard_weight: float = knob(0.0, minimum=0.0,
+        doc="distill: the hard label's share of each slot's label (0: pure distillation)")
+
+
+@dataclass
+class RunConfig:
+    name: str = knob("default", "the run's name: its directory, its Ray Train experiment")
+    root: str = knob("runs", 'where run directories live')
+    dir: str = knob("${run.root}/${run.name}", "the run's directory (record, shards, exports)")
+
+
+@dataclass
+class PlanConfig:
+    epoch: int = knob(0, 'the epoch the `plan` command lays out')
+
+
+@dataclass
+class EvalConfig:
+    """prompts rendered with data.chat_template_kwargs, as prepare renders"""
+    max_new_tokens: int = knob(64, 'tokens generated per prompt (`dflash-ray eval`, the held-out tau)', minimum=1)
+    max_prompts: int = knob(32, 'prompts of data.prompts evaluated at most')
+    during_training_prompts: Optional[int] = knob(None, minimum=1,
+        doc='the held-out evaluations during training (train.heldout_every) measure the first N of those prompts, '
+            'the final one all of them (null: all): on a CPU an evaluation shares the cores with training')
+
+
+@dataclass
+class RegenerateConfig:
+    """renders with data.chat_template_kwargs: give prepare the same"""
+    output: Optional[str] = knob(None, 'the regenerated conversations .jsonl')
+    max_new_tokens: int = knob(8192, minimum=1,
+        doc="tokens per assistant turn at most: the recipe's longest bucket (data.bucket_boundaries), where "
+            'training rows are cut anyway; thinking answers run to thousands of tokens, and greedy thinking can '
+            'loop')
+    on_max_tokens: str = knob("drop", choices=('drop', 'keep'),
+        doc='a turn that hits max_new_tokens: drop (it and the rest of its conversation) | keep')
+    batch_size: int = knob(32, minimum=1,
+        doc='conversations per generate() call on a target actor (continuous: rows in flight)')
+    engine: str = knob("batched", choices=ENGINES,
+        doc='batched: generate() over batches of like-length prompts, each running to its longest row; '
+            "continuous: transformers' continuous batching, a finished row's slot taken by the next prompt "
+            '(model/generation.py)')
+
+
+@dataclass
+class RootConfig:
+    model: ModelConfig = group(ModelConfig)
+    data: DataConfig = group(DataConfig)
+    cluster: ClusterConfig = group(ClusterConfig)
+    train: TrainConfig = group(TrainConfig)
+    seed: int = knob(0, "seeds the plan's order, the synthetic world and the drafter's initialisation")
+    run: RunConfig = group(RunConfig)
+    plan: PlanConfig = group(PlanConfig)
+    drafter: Optional[str] = knob(None, '`dflash-ray eval`: an exported drafter directory')
+    target: Optional[str] = knob(None, '`dflash-ray eval`: a Hugging Face target directory')
+    eval: EvalConfig = group(EvalConfig)
+    regenerate: RegenerateConfig = group(RegenerateConfig)
+
+
+# ----------------------------------------------------------------------------- the reference
+@dataclass(frozen=True)
+class Key:
+    """One key of the typed schema, as `dflash-ray config` and docs/configuration.md show it."""
+    key: str
+    type: str
+    default: Any
+    doc: str
+    choices: tuple | None = None
+    minimum: float | None = None
+    at_least: str | None = None
+
+    def checks(self) -> str:
+        """What composition accepts, in words ('' when any value of the type)."""
+        if self.choices is not None:
+            return "one of " + ", ".join("null" if c is None else str(c) for c in self.choices)
+        if self.minimum is not None:
+            return f">= {self.minimum}" + (f" ({self.at_least})" if self.at_least else "")
+        return ""
+
+
+def _type_name(hint) -> str:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if origin is typing.Union and type(None) in args:
+        return f"{_type_name(next(a for a in args if a is not type(None)))} or null"
+    if origin in (list, List):
+        return f"list of {_type_name(args[0])}" if args else "list"
+    if origin in (dict, Dict):
+        return "mapping"
+    return getattr(hint, "__name__", str(hint))
+
+
+def schema_keys(cls=None, prefix: str = "") -> List[Key]:
+    """Every key of the typed schema (groups walked), in the order the dataclasses declare them."""
+    cls = cls or RootConfig
+    hints = typing.get_type_hints(cls)
+    keys = []
+    for f in fields(cls):
+        if is_dataclass(hints[f.name]):
+            keys.extend(schema_keys(hints[f.name], f"{prefix}{f.name}."))
+            continue
+        default = f.default_factory() if f.default_factory is not MISSING else f.default
+        m = f.metadata
+        keys.append(Key(f"{prefix}{f.name}", _type_name(hints[f.name]), default, m.get("doc", ""),
+                        m.get("choices"), m.get("minimum"), m.get("at_least")))
+    return keys
+
+
+def _option_line(path: Path) -> str:
+    """An option's one-line summary: the first comment line of its YAML (after Hydra's `# @package`)."""
+    for line in path.read_text().splitlines():
+        if line.startswith("#") and not line.startswith("# @package"):
+            return line.lstrip("#").strip()
+    return ""
+
+
+def reference_markdown() -> str:
+    """docs/configuration.md: every key with its type, default and meaning, and each group's options (made from
+    the schema and dflash_ray/conf/; tests/test_config_reference.py keeps the file equal to this)."""
+    import json
+
+    out = ["# Configuration reference", "",
+           "Generated from the typed schema (`dflash_ray/config.py`) and the presets (`dflash_ray/conf/`) by",
+           "`dflash-ray config --markdown > docs/configuration.md`; `dflash-ray config [PREFIX]` prints the same in a",
+           "terminal. Set any key on the command line (`train.lr=3e-4`), pick a group's option by name",
+           "(`model=qwen3_8b`), `--cfg job` prints the composed config. An unknown key, a wrong type or a value",
+           "outside what the key accepts is one line naming the key, exit code 2.", "",
+           "## Groups and their options", "",
+           "| group | option | what it is |", "|---|---|---|"]
+    for d in sorted(p for p in CONF_DIR.iterdir() if p.is_dir()):
+        for option in sorted(d.glob("*.yaml")):
+            out.append(f"| `{d.name}` | `{option.stem}` | {_option_line(option)} |")
+    by_group: Dict[str, List[Key]] = {}
+    for k in schema_keys():
+        by_group.setdefault(k.key.split(".")[0] if "." in k.key else "(root)", []).append(k)
+    for name, keys in by_group.items():
+        out += ["", f"## `{name}`" if name != "(root)" else "## Keys at the root", "",
+                "| key | type | default | what it is |", "|---|---|---|---|"]
+        for k in keys:
+            meaning = k.doc + (f" ({k.checks()})" if k.checks() else "")
+            out.append(f"| `{k.key}` | {k.type} | `{json.dumps(k.default)}` | {meaning.replace('|', '/')} |")
+    return "\n".join(out) + "\n"
+
+
+def reference_lines(prefix: str = "") -> List[str]:
+    """`dflash-ray config [PREFIX]`: the keys under PREFIX, each as `key (type, default D): meaning`."""
+    import json
+
+    return [f"{k.key} ({k.type}, default {json.dumps(k.default)}): {k.doc}" + (f" [{k.checks()}]" if k.checks() else "")
+            for k in schema_keys() if k.key == prefix or k.key.startswith(prefix.rstrip(".") + ".") or not prefix]
+
+
+
+# what composition checks of each key's value, from the schema's knobs: one of its choices, at least its minimum
+# (and what that least value means, where it means more than a number)
+CHOICES = {k.key: k.choices for k in schema_keys() if k.choices is not None}
+MINIMUM = {k.key: k.minimum for k in schema_keys() if k.minimum is not None}
+AT_LEAST = {k.key: k.at_least for k in schema_keys() if k.at_least}
 
 
 # ----------------------------------------------------------------------------- composition

@@ -57,7 +57,7 @@ def main_job(cfg, *, progress: bool = True, log=print, plan_log=print, startup_s
         resolve_model_paths(cfg, log=log)
     with contextlib.ExitStack() as cluster:
         with clock("ray start"):
-            cluster.enter_context(ray_cluster(OmegaConf.to_object(cfg.cluster), log=log))
+            ray_logs = cluster.enter_context(ray_cluster(OmegaConf.to_object(cfg.cluster), log=log))
         with clock("inputs"):
             make_demo_inputs(cfg, log=log, clock=clock)     # no data given (the embedded default): the demo world
             make_missing_inputs(cfg, log=log, clock=clock)  # a synthesised target for model.target_path: null; shards
@@ -87,6 +87,7 @@ def main_job(cfg, *, progress: bool = True, log=print, plan_log=print, startup_s
         with clock("ray stop"):
             cluster.close()   # a local Ray shuts down here (a cluster's stays up)
     summary["phases"] = clock.rows
+    summary["ray_logs"] = ray_logs   # Ray's own messages (a local Ray's session; None on a cluster already joined)
     log("where the time went:\n" + clock.table())
     if summary["export"]:   # the export's model card: the target, data, steps and the held-out tau just measured
         write_model_card(summary["export"], model_card_facts(run_spec, summary))

@@ -24,4 +24,15 @@ if [[ -n "$shm" && "$shm" -lt $((10 * 1024 * 1024 * 1024)) ]]; then
        "container more shared memory (docker run --shm-size=64g, or the cluster's run_options) or pass" \
        "--object-store-memory below /dev/shm's size" >&2
 fi
+# Token authentication (Ray's): on unless RAY_AUTH_MODE says otherwise. The head uses this machine's token, made
+# by Ray's own CLI when there is none (~/.ray/auth_token); every worker node, and every machine that submits
+# jobs, needs that same token (copy the file, or set RAY_AUTH_TOKEN) and is then in token mode by itself.
+if [[ -z "${RAY_AUTH_MODE:-}" ]]; then
+  if [[ -n "${RAY_AUTH_TOKEN:-}" || -f "${RAY_AUTH_TOKEN_PATH:-$HOME/.ray/auth_token}" ]]; then
+    export RAY_AUTH_MODE=token
+  elif [[ " $* " == *" --head "* && -z "${RAY_AUTH_TOKEN_PATH:-}" ]]; then
+    ray get-auth-token --generate > /dev/null
+    export RAY_AUTH_MODE=token
+  fi
+fi
 exec ray start "$@"

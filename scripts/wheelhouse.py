@@ -1,16 +1,20 @@
 #!/usr/bin/env python3
-"""A wheelhouse for a GPU machine with no network: Ray and the Python packages its image lacks, as cp312
-manylinux wheels, with the Ray wheel trimmed to fit the device tool's 64 MiB (repo + carried paths).
+"""A wheelhouse for an air-gapped GPU cluster: Ray and the Python packages its image lacks, as cp312 manylinux
+x86_64 wheels, built on a machine with PyPI and installed on the cluster with `pip install --no-index`. The image
+is one that already has CUDA torch; the packages it has are not put in the wheelhouse (the default list is a
+CUDA torch image's: torch, transformers, pyarrow, ...; --image-packages reads the image's own). The Ray wheel is
+trimmed (no Java workers, RLlib, Serve, LLM, dashboard source maps; binaries stripped).
 
-scripts/device-wheelhouse.sh calls `build`; scripts/device-install.sh installs the result there; the
-test (tests/test_device_wheelhouse.py) calls trim_wheel/write_manifest on a wheel it makes. docs/gpu-machine.md
-has the figures.
+scripts/airgap-wheelhouse.sh calls `build`; scripts/airgap-install.sh installs the result on the cluster;
+tests/test_airgap_wheelhouse.py calls trim_wheel/write_manifest/closure on wheels it makes. docs/air-gapped.md
+is the guide.
 
-    python scripts/wheelhouse.py build --out .wheelhouse [--cache DIR] [--budget-mib 56]
+    python scripts/wheelhouse.py build --out .wheelhouse [--cache DIR] [--image-packages FREEZE.txt] [--budget-mib N]
     python scripts/wheelhouse.py trim SRC.whl OUTDIR [--drop GLOB ...] [--no-strip]
     python scripts/wheelhouse.py manifest OUTDIR [--budget-mib N]
 
-Exit status 2 with one line on stderr when the wheelhouse is over its budget.
+FREEZE.txt: `pip list --format=freeze` run in the image (one `name==version` a line). --budget-mib: the most the
+folder may hold, 0 (the default) for no budget; over it, exit status 2 with one line on stderr.
 """
 from __future__ import annotations
 
@@ -35,7 +39,7 @@ from urllib.parse import unquote
 REPO = Path(__file__).resolve().parent.parent
 MIB = 1024 * 1024
 
-# What the wheelhouse carries: the project's requirements that the device image lacks. torch, transformers,
+# What the wheelhouse carries: the project's requirements that a CUDA torch image lacks. torch, transformers,
 # accelerate, safetensors, tokenizers, tqdm, matplotlib, numpy and pyarrow come from the image.
 ROOTS = [
     "ray[default,train]==2.60.0",
@@ -44,15 +48,19 @@ ROOTS = [
     "antlr4-python3-runtime==4.9.3",   # hydra/omegaconf need 4.9.*; PyPI has it only as an sdist: built here
 ]
 SDIST_ONLY = ["antlr4-python3-runtime==4.9.3"]   # pure Python: `pip wheel` makes a py3-none-any wheel
+# The image's CUDA build of torch is what the cluster runs: the wheelhouse never carries torch
+FROM_THE_IMAGE_ONLY = ("torch",)
 
-# The target: the device's Python 3.12 on x86_64 Linux (glibc >= 2.28 there: manylinux_2_28 wheels install)
+# The target: the image's Python 3.12 on x86_64 Linux (glibc >= 2.28: manylinux_2_28 wheels install)
 PYTHON_VERSION = "3.12"
 PLATFORMS = ["manylinux2014_x86_64", "manylinux_2_17_x86_64", "manylinux_2_24_x86_64", "manylinux_2_27_x86_64",
              "manylinux_2_28_x86_64", "manylinux1_x86_64", "manylinux2010_x86_64", "linux_x86_64"]
 
-# The device image's Python packages (the nvidia-h200 image, read 2026-11-17): not carried. Its versions are
-# not all known here: scripts/device-install.sh says which one is too old if one is.
-DEVICE_IMAGE_PACKAGES = frozenset("""
+# The default image's Python packages: a CUDA torch image (torch, transformers, pyarrow, pandas, jax, ...; Python
+# 3.12). Not put in the wheelhouse. --image-packages replaces this list with the image's own `pip list
+# --format=freeze`, whose versions the build then checks; with this list the versions are unknown until
+# scripts/airgap-install.sh reads them on the cluster and names one that is too old.
+CUDA_TORCH_IMAGE_PACKAGES = frozenset("""
 absl-py accelerate aiofiles aiohappyeyeballs aiohttp aiosignal annotated-doc anyio attrs botorch build
 certifi charset-normalizer chex click cloudpickle cmake colorama contourpy coverage cuda-bindings cuda-core
 cuda-pathfinder cuda-toolkit cupy-cuda13x cycler cython diffrax e3nn einops equinox etils execnet filelock
@@ -77,7 +85,8 @@ yarl zipp
 """.split())
 
 # Left out although ray[default] asks for it: virtualenv (5.5 MiB with its seed wheels, plus distlib,
-# python-discovery, platformdirs) serves runtime_env's pip/uv, which needs a package index the device has not
+# python-discovery, platformdirs) serves runtime_env's pip/uv, which needs a package index an air-gapped cluster
+# has not
 SKIP = ("virtualenv",)
 
 # What the Ray wheel loses (fnmatch globs over the wheel's paths; `*` crosses folders). Kept: Ray Core,
@@ -224,7 +233,7 @@ def _trim_entry_points(data: bytes, kept: set[str], dropped: set[str], gone: lis
 
 def write_manifest(out_dir: str | Path, budget_mib: float, extra: dict | None = None) -> dict:
     """MANIFEST.json in out_dir: each wheel's name, size and sha256, the total (the manifest itself
-    included) and the budget, plus `extra` (what was trimmed, what the image already has)."""
+    included) and the budget (0: none), plus `extra` (what was trimmed, what the image already has)."""
     out_dir = Path(out_dir)
     files = [{"file": p.name, "bytes": p.stat().st_size, "sha256": sha256_file(p)}
              for p in sorted(out_dir.iterdir()) if p.is_file() and p.name != "MANIFEST.json"]
@@ -239,14 +248,15 @@ def write_manifest(out_dir: str | Path, budget_mib: float, extra: dict | None = 
 
 
 def check_budget(manifest: dict, out_dir) -> int:
-    """Prints the table; 2 with one line on stderr when over the budget."""
+    """Prints the table; 2 with one line on stderr when over the budget (a budget of 0 or less: none)."""
     for f in sorted(manifest["files"], key=lambda f: -f["bytes"]):
         print(f"  {f['bytes'] / MIB:7.2f} MiB  {f['file']}")
     total = manifest["total_bytes"] / MIB
+    budget = manifest["budget_mib"] or 0
     print(f"wheelhouse: {out_dir}: {len(manifest['files'])} files, {total:.2f} MiB "
-          f"(budget {manifest['budget_mib']} MiB)")
-    if total > manifest["budget_mib"]:
-        print(f"device-wheelhouse: {out_dir} is {total:.2f} MiB, over the {manifest['budget_mib']} MiB budget "
+          + (f"(budget {budget} MiB)" if budget > 0 else "(no budget)"))
+    if budget > 0 and total > budget:
+        print(f"airgap-wheelhouse: {out_dir} is {total:.2f} MiB, over the {budget} MiB budget "
               f"(WHEELHOUSE_BUDGET_MIB)", file=sys.stderr)
         return 2
     return 0
@@ -270,7 +280,7 @@ def _run(cmd: list[str], what: str) -> subprocess.CompletedProcess:
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         sys.stderr.write(r.stdout[-4000:] + r.stderr[-4000:])
-        raise SystemExit(f"device-wheelhouse: {what} failed (exit {r.returncode})")
+        raise SystemExit(f"airgap-wheelhouse: {what} failed (exit {r.returncode})")
     return r
 
 
@@ -282,36 +292,93 @@ def _packaging():
     return Requirement
 
 
-# The marker environment of the device's Python (pip evaluates markers with the resolving interpreter's)
+# The marker environment of the image's Python (pip evaluates markers with the resolving interpreter's)
 TARGET_ENV = {"python_version": PYTHON_VERSION, "python_full_version": PYTHON_VERSION + ".3", "os_name": "posix",
               "sys_platform": "linux", "platform_system": "Linux", "platform_machine": "x86_64",
               "implementation_name": "cpython", "platform_python_implementation": "CPython",
               "implementation_version": PYTHON_VERSION + ".3"}
 
 
-def resolve(py: str, cache: Path) -> list[dict]:
-    """What pip installs for ROOTS on Python 3.12, manylinux x86_64: the report of a dry run (no install,
-    metadata only), one {name, version, file, requires_dist} per package, the device image's ones too."""
+def project_roots(image: frozenset, pyproject: Path = REPO / "pyproject.toml") -> list[str]:
+    """ROOTS plus the project's own requirements (pyproject.toml's dependencies) that `image` lacks: an image
+    without, say, accelerate gets it from the wheelhouse. Torch must be in the image: one line and exit 2."""
+    import tomllib
+
+    deps = tomllib.loads(pyproject.read_text())["project"]["dependencies"]
+    Requirement = _packaging()
+    have = {normalize(Requirement(r).name) for r in ROOTS}
+    roots = list(ROOTS)
+    for dep in deps:
+        name = normalize(Requirement(dep).name)
+        if name in FROM_THE_IMAGE_ONLY and name not in image:
+            raise SystemExit(f"airgap-wheelhouse: the image has no {name}: the wheelhouse is for an image with "
+                             f"CUDA torch (its list of packages names no {name})")
+        if name not in image and name not in have:
+            roots.append(dep)
+    return roots
+
+
+def resolve(py: str, cache: Path, roots=ROOTS) -> list[dict]:
+    """What pip installs for `roots` on Python 3.12, manylinux x86_64: the report of a dry run (no install,
+    metadata only), one {name, version, file, requires_dist} per package, the image's ones too."""
     report = cache / "resolve-report.json"
     with tempfile.TemporaryDirectory() as target:   # --target: older pips take the platform options only so
         _run(_pip(py, "install", "--dry-run", "--ignore-installed", "--quiet", "--report", str(report),
-                  "--target", target, "--find-links", str(cache), *_target_args(), *ROOTS),
+                  "--target", target, "--find-links", str(cache), *_target_args(), *roots),
              "resolving (pip install --dry-run)")
     data = json.loads(report.read_text())
     ver = data.get("environment", {}).get("python_version")
     if ver != PYTHON_VERSION:
         print(f"wheelhouse: resolved with Python {ver}, not {PYTHON_VERSION}: pip evaluated the requirements' "
-              f"markers for {ver} (RESOLVE_PYTHON=<a python{PYTHON_VERSION}> resolves as the device would)",
+              f"markers for {ver} (RESOLVE_PYTHON=<a python{PYTHON_VERSION}> resolves as the image's Python would)",
               file=sys.stderr)
     return [{"name": normalize(i["metadata"]["name"]), "version": i["metadata"]["version"],
              "file": unquote(i["download_info"]["url"].rsplit("/", 1)[-1].split("#")[0]),
              "requires_dist": i["metadata"].get("requires_dist") or []} for i in data["install"]]
 
 
-def closure(resolved: list[dict], roots=ROOTS, image=DEVICE_IMAGE_PACKAGES, skip=()) -> tuple[list, dict]:
-    """What the device needs from `resolved`: the roots and their requirements (markers evaluated for the
-    device's Python, extras followed), not descending into the image's packages or `skip`. Returns the
-    carried entries and {image package: [the specifiers asked of it]}."""
+def read_image_packages(path: str | Path) -> dict[str, str | None]:
+    """{normalized name: version} from `pip list --format=freeze` (or `pip freeze`) output run in the image:
+    `name==version` lines; `name @ URL` lines count with no version; blank lines, comments and options
+    (`-e ...`, `--...`) are skipped. A file that names no package stops the build with one line."""
+    found: dict[str, str | None] = {}
+    for raw in Path(path).read_text().splitlines():
+        line = raw.split("#", 1)[0].strip()
+        if not line or line.startswith("-"):
+            continue
+        m = re.match(r"^([A-Za-z0-9][A-Za-z0-9._-]*)(?:\[[^\]]*\])?\s*(?:(===?)\s*([^\s;]+)|@\s*\S+)?", line)
+        if not m:
+            raise SystemExit(f"airgap-wheelhouse: {path}: not a package line: {raw.strip()!r}")
+        found[normalize(m.group(1))] = m.group(3)
+    if not found:
+        raise SystemExit(f"airgap-wheelhouse: {path} names no package (expected `pip list --format=freeze` output)")
+    return found
+
+
+def too_old_on_image(on_image: dict[str, list[str]], versions: dict[str, str | None]) -> list[str]:
+    """The image packages whose known version does not satisfy what the carried packages ask of them, as
+    'name version (wants SPEC)'. Unknown versions (a `name @ URL` line) are not judged here."""
+    try:
+        from packaging.specifiers import SpecifierSet
+    except ImportError:   # pip vendors it
+        from pip._vendor.packaging.specifiers import SpecifierSet
+    bad = []
+    for name, specs in on_image.items():
+        have = versions.get(name)
+        want = SpecifierSet(",".join(s for s in specs if s != "*"))
+        try:
+            fits = have is None or want.contains(have, prereleases=True)
+        except Exception:   # a version string that is not PEP 440: not judged
+            fits = True
+        if not fits:
+            bad.append(f"{name} {have} (wants {want})")
+    return bad
+
+
+def closure(resolved: list[dict], roots=ROOTS, image=CUDA_TORCH_IMAGE_PACKAGES, skip=()) -> tuple[list, dict]:
+    """What the cluster needs from `resolved`: the roots and their requirements (markers evaluated for the
+    image's Python, extras followed), not descending into the image's packages or `skip`. Returns the
+    entries the wheelhouse carries and {image package: [the specifiers asked of it]}."""
     Requirement = _packaging()
     by_name = {r["name"]: r for r in resolved}
     carried, on_image, seen = {}, {}, set()
@@ -330,7 +397,7 @@ def closure(resolved: list[dict], roots=ROOTS, image=DEVICE_IMAGE_PACKAGES, skip
             seen.add((name, extra))
             entry = by_name.get(name)
             if entry is None:
-                raise SystemExit(f"device-wheelhouse: {name} is needed but not in pip's resolution")
+                raise SystemExit(f"airgap-wheelhouse: {name} is needed but not in pip's resolution")
             carried[name] = entry
             for rd in entry["requires_dist"]:
                 sub = Requirement(rd)
@@ -339,10 +406,12 @@ def closure(resolved: list[dict], roots=ROOTS, image=DEVICE_IMAGE_PACKAGES, skip
     return list(carried.values()), {k: sorted(v) for k, v in sorted(on_image.items())}
 
 
-def build(out: Path, cache: Path, budget_mib: float, py: str, skip=SKIP, also=()) -> int:
+def build(out: Path, cache: Path, budget_mib: float, py: str, skip=SKIP, also=(), image_packages=None) -> int:
     """Resolve, download (into `cache`, reused), trim Ray, copy into `out`, write the manifest; 2 when over
-    the budget. `also`: image packages to carry all the same (one too old there). No wheel of the project:
-    scripts/device-install.sh installs the travelled tree editable (the source that travelled is what runs)."""
+    the budget (0: none). `also`: image packages to put in the wheelhouse all the same (one too old in the
+    image). `image_packages`: a `pip list --format=freeze` file from the image (default: a CUDA torch image's
+    list, CUDA_TORCH_IMAGE_PACKAGES). No wheel of the project: scripts/airgap-install.sh installs the copied
+    source tree editable (the source on the cluster is what runs)."""
     t0 = time.time()
     cache.mkdir(parents=True, exist_ok=True)
     for spec in SDIST_ONLY:
@@ -351,8 +420,11 @@ def build(out: Path, cache: Path, budget_mib: float, py: str, skip=SKIP, also=()
         if not any(p.name.startswith(stem) and p.suffix == ".whl" for p in cache.iterdir()):
             print(f"wheelhouse: building {spec} (an sdist on PyPI) into {cache}")
             _run(_pip(py, "wheel", "--no-deps", "--quiet", "-w", str(cache), spec), f"pip wheel {spec}")
-    resolved = resolve(py, cache)
-    carried, on_image = closure(resolved, image=DEVICE_IMAGE_PACKAGES - set(also), skip=skip)
+    versions = read_image_packages(image_packages) if image_packages else {}
+    image = (frozenset(versions) if image_packages else CUDA_TORCH_IMAGE_PACKAGES) - set(also)
+    roots = project_roots(image)
+    resolved = resolve(py, cache, roots)
+    carried, on_image = closure(resolved, roots=roots, image=image, skip=skip)
     missing = [r for r in carried if not (cache / r["file"]).exists()]
     if missing:
         print(f"wheelhouse: downloading {len(missing)} wheels into {cache}")
@@ -360,7 +432,7 @@ def build(out: Path, cache: Path, budget_mib: float, py: str, skip=SKIP, also=()
                   *_target_args(), *[f"{r['name']}=={r['version']}" for r in missing]), "pip download")
     for r in carried:
         if not (cache / r["file"]).exists():
-            raise SystemExit(f"device-wheelhouse: {r['file']} is not in {cache} after the download")
+            raise SystemExit(f"airgap-wheelhouse: {r['file']} is not in {cache} after the download")
 
     out.mkdir(parents=True, exist_ok=True)
     want = set()
@@ -388,16 +460,23 @@ def build(out: Path, cache: Path, budget_mib: float, py: str, skip=SKIP, also=()
         if p.is_file() and p.name not in want and p.name != "MANIFEST.json":
             p.unlink()
 
-    extra = {"roots": ROOTS, "carried": sorted(f"{r['name']}=={r['version']}" for r in carried),
-             "skipped": sorted(skip), "also": sorted(also), "on_device_image_not_carried": on_image, "ray_trim": trims,
+    extra = {"roots": roots, "carried": sorted(f"{r['name']}=={r['version']}" for r in carried),
+             "skipped": sorted(skip), "also": sorted(also), "on_image_not_carried": on_image,
+             "image_packages": str(image_packages) if image_packages else "a CUDA torch image (the default list)",
+             "ray_trim": trims,
              "built_with": f"{Path(__file__).name} in {time.time() - t0:.1f} s"}
     manifest = write_manifest(out, budget_mib, extra)
     for t in trims:
         print(f"wheelhouse: {t['wheel']}: {t['source_bytes'] / MIB:.1f} MiB -> {t['bytes'] / MIB:.1f} MiB "
               f"({t['dropped_files']} files dropped, {len(t['stripped'])} binaries stripped)")
     asked = ", ".join(k + ",".join(s for s in v if s != "*") for k, v in on_image.items())
-    print(f"wheelhouse: not carried, on the device image: {asked}")
+    print(f"wheelhouse: not carried, in the image: {asked}")
     print(f"wheelhouse: left out: {', '.join(sorted(skip)) or 'nothing'}")
+    old = too_old_on_image(on_image, versions)
+    if old:
+        print(f"wheelhouse: warning: the image's packages do not fit what the wheelhouse asks: {'; '.join(old)} "
+              f"-- rebuild with WHEELHOUSE_ALSO={','.join(b.split()[0] for b in old)} to carry them",
+              file=sys.stderr)
     return check_budget(manifest, out)
 
 
@@ -407,11 +486,15 @@ def main(argv=None) -> int:
     b = sub.add_parser("build")
     b.add_argument("--out", default=str(REPO / ".wheelhouse"))
     b.add_argument("--cache", default=os.path.expanduser("~/.cache/dflash-ray/wheels"))
-    b.add_argument("--budget-mib", type=float, default=56)
+    b.add_argument("--budget-mib", type=float, default=0,
+                   help="the most the folder may hold, in MiB (default 0: no budget); over it, exit 2")
     b.add_argument("--python", default=sys.executable,
-                   help="the Python whose pip resolves (a 3.12 one evaluates markers as the device does)")
+                   help="the Python whose pip resolves (a 3.12 one evaluates markers as the image's does)")
+    b.add_argument("--image-packages", default="", metavar="FREEZE.txt",
+                   help="`pip list --format=freeze` output from the image: the packages it has (default: a CUDA "
+                        "torch image's list)")
     b.add_argument("--skip", default=",".join(SKIP), help="packages not to carry, comma-separated")
-    b.add_argument("--also", default="", help="device-image packages to carry all the same, comma-separated")
+    b.add_argument("--also", default="", help="image packages to carry all the same, comma-separated")
     t = sub.add_parser("trim")
     t.add_argument("src")
     t.add_argument("out_dir")
@@ -419,12 +502,13 @@ def main(argv=None) -> int:
     t.add_argument("--no-strip", action="store_true")
     m = sub.add_parser("manifest")
     m.add_argument("out_dir")
-    m.add_argument("--budget-mib", type=float, default=56)
+    m.add_argument("--budget-mib", type=float, default=0, help="in MiB; 0 (the default): no budget")
     a = ap.parse_args(argv)
     if a.cmd == "build":
         return build(Path(a.out), Path(a.cache), a.budget_mib, a.python,
                      tuple(normalize(x) for x in a.skip.split(",") if x.strip()),
-                     tuple(normalize(x) for x in a.also.split(",") if x.strip()))
+                     tuple(normalize(x) for x in a.also.split(",") if x.strip()),
+                     image_packages=a.image_packages or None)
     if a.cmd == "trim":
         rep = trim_wheel(a.src, a.out_dir, drop=a.drop or RAY_DROP, strip=not a.no_strip)
         print(json.dumps(rep, indent=1))

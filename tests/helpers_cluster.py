@@ -107,15 +107,16 @@ def worker_ports(node: int = 0) -> list[str]:
 
 
 class FreshHead:
-    """`ray start --head --block` on 127.0.0.1 with ports of its own, in a temp dir of its own."""
+    """`ray start --head --block` on 127.0.0.1 with ports of its own, in a temp dir of its own. `start`: the
+    command that runs `ray start` (scripts/ray-start.sh, as users start a head)."""
 
-    def __init__(self, log_path: Path, env: dict):
+    def __init__(self, log_path: Path, env: dict, start=(RAY, "start")):
         self.temp = tempfile.mkdtemp(prefix="dfrjob", dir="/tmp")   # short: Ray puts unix sockets under it
         gcs, dash, self.metrics, client, agent, agent_grpc, rtenv, nm, om = free_ports(9)
         self.log_path, self.log = log_path, open(log_path, "w")
         self.address = f"http://127.0.0.1:{dash}"
         self.proc = subprocess.Popen(
-            [RAY, "start", "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={gcs}",
+            [*start, "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={gcs}",
              "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
              f"--metrics-export-port={self.metrics}", f"--ray-client-server-port={client}",
              f"--dashboard-agent-listen-port={agent}", f"--dashboard-agent-grpc-port={agent_grpc}",
@@ -123,7 +124,7 @@ class FreshHead:
              *worker_ports(),
              "--num-cpus=4", '--resources={"target_slot": 1}', "--object-store-memory=300000000",
              f"--temp-dir={self.temp}", "--disable-usage-stats"],
-            env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+            cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def died(self) -> bool:
         """`ray start --block` exits when one of its processes dies (the raylet goes with a failed agent)."""

@@ -1,9 +1,9 @@
 """The door of the CLI: `--help` (every command, one line each), each command's whole help with its main
 config keys, `--version`, prepare's drops in words with their threshold, bad rows named by the line an
-editor shows, and progress with totals for prepare and eval (issue 21, item 5).
+editor shows, and progress with totals for prepare and eval.
 
-Expected values come from the project's files (pyproject.toml, config.py's comments), from counting the
-inputs written here, or from the issue's words, not from the code under test."""
+Expected values come from the project's files (pyproject.toml, config.py's source), from counting the
+inputs written here, or from the words of the behaviour's spec, not from the code under test."""
 import json
 import re
 import tomllib
@@ -20,7 +20,8 @@ from dflash_ray.data.formats import BadRows, iter_conversations
 from dflash_ray.errors import UserError
 
 ROOT = Path(__file__).resolve().parent.parent
-COMMANDS = ["regenerate", "prepare", "plan", "order-stats", "train", "compare", "compare-orders", "eval", "export", "plot"]
+COMMANDS = ["regenerate", "prepare", "plan", "order-stats", "train", "compare", "compare-orders", "eval", "export", "plot",
+            "config"]
 
 
 def _flat(text: str) -> str:
@@ -46,10 +47,13 @@ def test_version_prints_the_installed_version(capsys):
 
 
 def _schema_comment(field: str) -> str:
-    """The comment of `field` on its line in dflash_ray/config.py (read here as text)."""
-    line = next(x for x in (ROOT / "dflash_ray" / "config.py").read_text().splitlines()
-                if re.match(rf"\s+{field}\s*:", x))
-    return line.split("#", 1)[1].strip()
+    """The line of `field` in dflash_ray/config.py: its knob's doc string, read from the source's syntax tree."""
+    import ast
+
+    tree = ast.parse((ROOT / "dflash_ray" / "config.py").read_text())
+    call = next(n.value for n in ast.walk(tree) if isinstance(n, ast.AnnAssign) and getattr(n.target, "id", None) == field)
+    docs = [k.value for k in call.keywords if k.arg == "doc"] or call.args[1:2]
+    return docs[0].value
 
 
 @pytest.mark.parametrize("cmd,keys,sentence", [
@@ -201,3 +205,12 @@ def test_progress_lines_off_a_terminal_come_every_few_seconds_and_end_where_the_
     lines = capsys.readouterr().err.splitlines()
     # the first line once 5 s have passed (the 3rd count, at 6 s), none until 5 s later, the last at the end
     assert [x.split(",")[0] for x in lines] == ["phase: 3/6 things (50%)", "phase: 6/6 things (100%)"], lines
+
+
+def test_the_target_time_figure_reads_one_way_only():
+    """greedy seconds / speculative seconds, in words that cannot be misread (by hand: 1 / 0.61 = 1.639)."""
+    from dflash_ray.cli import target_time_words
+
+    assert target_time_words(2.62) == "2.62x less target time than plain greedy decoding"
+    assert target_time_words(0.61) == "1.64x the target time of plain greedy decoding (slower)"
+    assert target_time_words(float("nan")) == "target time not measured"

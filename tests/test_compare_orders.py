@@ -188,7 +188,7 @@ def test_compare_trains_each_value_with_everything_else_equal(compared):
 # ----------------------------------------------------------------------------- bf16 on the CPU
 def test_a_bf16_run_crosses_its_epoch_ends(compared, tiny_plan_batches):
     """model.compute_dtype=bfloat16 on the CPU (what model=smollm2_135m trains with): the target actors'
-    features in bf16, the epoch end's filler rows encoded the same way (one dtype in the stream: issue 24
+    features in bf16, the epoch end's filler rows encoded the same way (one dtype in the stream:
     found fp32 fillers beside bf16 rows), the drafter under bf16 autocast; two epochs, every planned batch
     trained once. The runs are the compare's (`compared`: RUNTIME_RUN, train.grad_accum=3), both checked."""
     per_step = 2 * 3                                 # RUNTIME_RUN's 2 drafter workers x grad_accum 3

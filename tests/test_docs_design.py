@@ -1,7 +1,7 @@
-"""The design lives in the project and the docs say one true thing about hub downloads (issue 21, item 6).
+"""The design lives in the project and the docs say one true thing about hub downloads.
 
 The README must point at no file outside the repository; docs/design.md names only paths that exist; the
-README and docs/models.md agree with dflash_ray/paths.py (the code, exercised here with a fake hub) that a
+README and docs/clusters.md agree with dflash_ray/paths.py (the code, exercised here with a fake hub) that a
 hub id is downloaded when the hub is reachable, and both say that several nodes need a shared HF_HOME."""
 import re
 from pathlib import Path
@@ -12,7 +12,7 @@ from dflash_ray.errors import UserError
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
-MODELS = (ROOT / "docs" / "models.md").read_text()
+CLUSTERS = (ROOT / "docs" / "clusters.md").read_text()
 
 
 def _flat(text: str) -> str:
@@ -22,7 +22,7 @@ def _flat(text: str) -> str:
 def test_the_readme_points_at_nothing_outside_the_repository():
     outside = re.findall(r"`(\.\./[^`]*)`|\]\((\.\./[^)]*)\)", README)
     assert not outside, outside
-    assert "`docs/design.md`" in README
+    assert "(docs/design.md)" in README
 
 
 def test_the_design_page_names_only_paths_that_exist():
@@ -61,8 +61,7 @@ def test_hub_ids_are_downloaded_when_reachable_and_the_docs_say_so(monkeypatch, 
     with pytest.raises(UserError, match="model.target_path"):
         resolve_model_dir("Qwen/Qwen3-8B", "model.target_path")
     # so the docs must not say that nothing is downloaded, and both say what several nodes need
-    for name, text in (("README.md", _flat(README)), ("docs/models.md", _flat(MODELS))):
+    for name, text in (("README.md", _flat(README)), ("docs/clusters.md", _flat(CLUSTERS))):
         assert "nothing is downloaded" not in text, name
-        assert re.search(r"downloaded first when it is not there and the hub is reachable|"
-                         r"downloading the config, tokenizer and safetensors files first", text), name
+        assert re.search(r"downloaded first when (it is not there and )?the hub is reachable", text), name
         assert "shared `HF_HOME`" in text, name

@@ -1,4 +1,4 @@
-"""benchmarks/gpu_check.sh is run once on a lent GPU machine: everything of it that can run here runs
+"""benchmarks/gpu_check.sh is run on a GPU machine: everything of it that can run here runs
 here, on the CPU path of the same code (gloo for NCCL, fp32/bf16 on the CPU, small shapes).
 
 The whole script runs once (`whole_script`); its first part is the runtime paths' command itself
@@ -31,7 +31,7 @@ def whole_script(tmp_path_factory):
 
 def runtime_paths_report(request, tmp_path) -> dict:
     """The JSON of `gpu_check.py --device cpu` after asserting its exit status 0: the whole script's
-    runtime_paths part (the same command, the script prints each part's exit status) when this session
+    runtime_paths part (the same command, the script prints each part's exit status) when this pytest session
     runs the whole script, else the command run here."""
     if any(item.name == WHOLE for item in request.session.items):
         out, proc = request.getfixturevalue("whole_script")

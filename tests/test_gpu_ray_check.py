@@ -1,4 +1,4 @@
-"""benchmarks/gpu_ray_check.sh is run once on a lent GPU machine (the whole job through Ray on one GPU):
+"""benchmarks/gpu_ray_check.sh is run on a GPU machine (the whole job through Ray on one GPU):
 its CPU path, the same script at tiny shapes on a CPU head node it starts itself, runs here."""
 from __future__ import annotations
 

@@ -98,7 +98,7 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
 # imports from its own floor and those below. docs/design.md shows the same order.
 FLOORS = [
     ("base", ["errors", "atomic", "required", "machine_cache", "tokenizer", "processor", "run_layout", "hf_config",
-              "config"]),
+              "config", "console"]),
     ("data", ["data"]),
     ("sizing", ["sizing"]),
     ("model", ["model"]),

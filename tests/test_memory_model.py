@@ -121,7 +121,7 @@ def test_the_warning_line_falls_exactly_where_the_step_stops_fitting(qwen3_8b_wo
 
 
 def test_the_gpu_constants_match_every_peak_the_h200_measured():
-    """Within 20% of each drafter step's peak CUDA memory in the H200 results (the issue's bar; the two
+    """Within 20% of each drafter step's peak CUDA memory in the H200 results (the bar the memory model is held to; the two
     constants were fitted to these points, so this guards them against drift, not the fit's quality on
     shapes it has not seen)."""
     from pathlib import Path

@@ -2,7 +2,7 @@
 the drafter's architecture knobs and the warm start (`model.init_from`).
 
 Targets are tiny models of the presets' families built from configs (nothing downloaded); expected values
-come from the issue's numbers, the reference package (`dflash.model`) and hand computation, not from the
+come from the recipe's numbers, the reference package (`dflash.model`) and hand computation, not from the
 code under test.
 """
 import json
@@ -45,7 +45,7 @@ FAMILIES = {"qwen3_moe": TINY_MOE, "llama": TINY_LLAMA}
 
 
 # ----------------------------------------------------------------------------- presets
-# The recipe's drafter and schedule, from the issues (not read from the preset files): every valid anchor up
+# The recipe's drafter and schedule, from its published numbers (not read from the preset files): every valid anchor up
 # to 512 a row (no thinning), the drafter's memory bounded by the plan's block-token budget instead.
 RECIPE = dict(num_draft_layers=5, block_size=16, num_anchors=512, anchors_per_batch=None,
               max_block_tokens_per_batch=16384)

@@ -3,7 +3,7 @@
 are right for each real preset's target shape (built tiny: the preset's depth, a tiny width).
 
 SGLang's and vLLM's loaders cannot run here (no GPU, not installed); `ENGINE_FIELDS` is copied by hand from
-their source as read while this was written (docs/models.md, "Serving"), so it is a record, not an oracle.
+their source as read while this was written (docs/serving.md, "Serving it"), so it is a record, not an oracle.
 """
 import ast
 import inspect

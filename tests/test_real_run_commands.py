@@ -1,4 +1,4 @@
-"""README's "A real run", steps 1 to 3 as the README writes them (read from its bash block), on a tiny
+"""README's "Your model, your data", steps 1 to 3 as the README writes them (read from its bash block), on a tiny
 target served like Qwen3 (helpers_thinking: a thinking chat template, Qwen3's end tokens; trained once and
 shipped in tests/assets/), with thinking off (the README's $TEMPLATE) and on. What `regenerate` writes is
 checked against the regeneration's rules walked independently (helpers_thinking.expected_regeneration: each
@@ -35,8 +35,8 @@ REASONS = ("regenerated turns", "hit max_new_tokens", "turns dropped: hit max_ne
 
 
 def readme_commands() -> tuple[dict, dict]:
-    """(shell variables, {command: its arguments}) of the bash block of README's "A real run"."""
-    section = README.read_text()[README.read_text().index("### A real run"):]
+    """(shell variables, {command: its arguments}) of the bash block of README's "Your model, your data"."""
+    section = README.read_text()[README.read_text().index("## Your model, your data"):]
     start = section.index("```bash") + len("```bash")
     block = section[start:section.index("```", start)].replace("\\\n", " ")
     env, commands = {}, {}

@@ -205,7 +205,7 @@ def test_the_summary_says_where_the_time_went(real_run):
     assert "inputs/target" not in phases                     # the target is given: nothing synthesised
     assert phases["training"]["tokens"] == s["tokens"]
     # the tokens regeneration generated: every turn's ids through its end token, or the cap's 40
-    # (the shards' supervised tokens came out 1.4% above this count in one run: not yet explained, see issue 22's note)
+    # (the shards' supervised tokens came out 1.4% above this count in one run: not yet explained)
     assert 0 < phases["inputs/regeneration"]["tokens"] <= 24 * 2 * 40
     # four epochs of the prepared tokens (rows over the last bucket's 512 are cut when planned)
     assert 0.9 * 4 * phases["inputs/prepare"]["tokens"] <= s["tokens"] <= 4 * phases["inputs/prepare"]["tokens"]

@@ -1,6 +1,6 @@
 """The main job as a user submits it: `ray start --head` on 127.0.0.1, then `ray job submit` with
 jobs/runtime_env.yaml (conftest.job_run): the job reaches SUCCEEDED, a `dflash_` metric shows on the
-node's metrics export port while it runs, and its run directory holds what docs/runtime.md promises:
+node's metrics export port while it runs, and its run directory holds what docs/training.md promises:
 summary.json, export/ (loads in the reference `dflash` package), metrics.jsonl, the ledger, checkpoints,
 and `dflash-ray plot` draws it.
 

@@ -341,7 +341,7 @@ def step_order(counts_per_bucket, shuffled, step_batches: int, *, strategy: str,
     every W = step_batches consecutive positions (one step: the trainers' ranks and accumulation micro-steps)
     come from one bucket, so a step's batches cost its ranks about the same and none waits for another at the
     all-reduce (batches of one bucket hold about equal rows, tokens and anchors; batches of different buckets
-    differ up to several-fold in the drafter's work: benchmarks/cpu_by_process.py, docs/performance.md).
+    differ up to several-fold in the drafter's work: benchmarks/cpu_by_process.py, docs/notes/performance.md).
     Steps of one bucket are the units the strategy interleaves, so the order's guarantees (proportional,
     buckets run out together, short same-bucket runs) hold in steps. The batches a bucket leaves over (its
     count mod W) make mixed steps, interleaved as one more bucket would be; the last, partial one ends the

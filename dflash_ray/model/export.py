@@ -13,7 +13,7 @@ modeling_dflash.py, draft_core.py, speculative.py, layers.py, attention.py, copi
 `AutoModel.from_pretrained(dir, trust_remote_code=True)` loads the drafter with its `spec_generate`, as the DFlash
 authors' published drafters load. The reference builds `DFlashDraftModel` itself (AutoConfig reads
 `model_type: qwen3`), and SGLang and vLLM map `architectures: ["DFlashDraftModel"]` to their own classes
-(docs/models.md: which fields each reads).
+(docs/serving.md: which fields each reads).
 
 README.md: the model card people publish (`write_model_card`): front matter the hub reads (`library_name`,
 `base_model` = the target's hub id, `tags`), then the target, tapped layers, block size, MASK id, data, steps,

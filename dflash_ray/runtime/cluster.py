@@ -15,30 +15,78 @@ HEALTH_CHECK = "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S"   # how often Ray Train's con
 # that imports Ray again, ~1.5 CPU-s) for the next task: a fit's Ray Data tasks and Train's helper actors
 # churned through ~19 fresh processes. A local Ray (the run's own machine) keeps idle workers for reuse.
 KEEP_IDLE_WORKERS = {"RAY_num_workers_soft_limit": "64", "RAY_idle_worker_killing_time_threshold_ms": "600000"}
+AUTH_MODE = "RAY_AUTH_MODE"   # Ray 2.60's token authentication: token | disabled
+
+
+def token_on_this_machine() -> bool:
+    """Whether this machine holds a Ray auth token where Ray looks for one (RAY_AUTH_TOKEN, the file
+    RAY_AUTH_TOKEN_PATH names, ~/.ray/auth_token): the cluster it started (scripts/ray-start.sh) uses it."""
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return True
+    path = os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.join(os.path.expanduser("~"), ".ray", "auth_token")
+    return os.path.isfile(path)
+
+
+def choose_auth_mode() -> str | None:
+    """RAY_AUTH_MODE where the user left it unset: token, with this machine's token, or the one Ray's own CLI makes
+    when it has none (`ray get-auth-token --generate`: ~/.ray/auth_token). A local Ray the job starts then keeps
+    token auth, Ray's default, without the warning Ray prints when left to choose; a driver joining a cluster
+    started with token auth (scripts/ray-start.sh) sends the token, which Ray 2.60 does only in token mode (a
+    cluster without token auth accepts it too). Ray reads the mode once per process: the process's entry calls
+    this before Ray is imported (cli.console_main). Returns the mode set, or None (the user's, or Ray's default)."""
+    if os.environ.get(AUTH_MODE):
+        return None
+    if not token_on_this_machine() and not os.environ.get("RAY_AUTH_TOKEN_PATH"):
+        _generate_token()
+    if token_on_this_machine():
+        os.environ[AUTH_MODE] = "token"
+        return "token"
+    return None
+
+
+def _generate_token() -> None:
+    """Ray's own `ray get-auth-token --generate` (the `ray` beside this Python): quietly; where it fails, Ray's
+    default stays (it makes the token itself, and warns)."""
+    import subprocess
+    import sys
+
+    ray_cli = os.path.join(os.path.dirname(sys.executable), "ray")
+    try:
+        subprocess.run([ray_cli if os.path.exists(ray_cli) else "ray", "get-auth-token", "--generate"],
+                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, timeout=120, check=True)
+    except (OSError, subprocess.SubprocessError):
+        pass
 
 
 @contextlib.contextmanager
 def ray_cluster(cluster, log=print):
     """Connect to cluster.address / $RAY_ADDRESS, or start a local Ray (shut down again on exit).
-    `cluster` is the typed cluster config."""
+    `cluster` is the typed cluster config. Yields the Ray session's log directory (None when Ray was
+    already connected): where Ray's own messages are, which its INFO lines no longer print (--debug: they do)."""
+    import logging
+
     import ray
+
+    from dflash_ray.console import debug_console
 
     os.environ.update(STATE_TRACKING)  # a local Ray inherits it
     if ray.is_initialized():
-        yield
+        yield None
         return
+    level = logging.INFO if debug_console() else logging.WARNING
     runtime_env = {"env_vars": dict(STATE_TRACKING)}
     address = cluster.address
     if address in (None, "auto") and os.environ.get("RAY_ADDRESS"):
         address = os.environ["RAY_ADDRESS"]  # inside `ray job submit`, or set by the user
     if address:
         in_job = "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ  # the job's runtime_env applies (jobs/)
-        _ray_init(f"could not connect to Ray at {address}",
-                  "is the cluster up (`ray status --address <head>:6379`)? Or leave cluster.address and "
-                  "$RAY_ADDRESS unset for a local Ray",
-                  address=address, runtime_env=None if in_job else runtime_env, log_to_driver=True)
+        context = _ray_init(f"could not connect to Ray at {address}",
+                            "is the cluster up (`ray status --address <head>:6379`)? Or leave cluster.address and "
+                            "$RAY_ADDRESS unset for a local Ray",
+                            address=address, runtime_env=None if in_job else runtime_env, log_to_driver=True,
+                            logging_level=level)
         log(f"connected to Ray at {address}")
-        yield
+        yield _logs_dir(context)
         return
     stages = getattr(cluster, "target_gpus_per_replica", 1)
     resources = {} if cluster.use_gpu else {cluster.target_resource: float(cluster.target_workers * stages)}
@@ -54,25 +102,32 @@ def ray_cluster(cluster, log=print):
         os.environ.setdefault(key, value)
     start = f"scripts/ray-start.sh --head --num-cpus {cluster.num_cpus}" + (
         f" --resources '{json.dumps(resources)}'" if resources else "")
-    _ray_init("a local Ray did not start",
-              "retry when the machine is less busy (Ray waits 30 s for its node's processes), or start Ray once "
-              f"with `{start}` and run with cluster.address=auto",
-              num_cpus=cluster.num_cpus, object_store_memory=cluster.object_store_memory, resources=resources,
-              runtime_env=runtime_env, log_to_driver=False)
-    log(f"started a local Ray ({cluster.num_cpus} CPUs, resources {resources or 'GPUs'})")
+    context = _ray_init("a local Ray did not start",
+                        "retry when the machine is less busy (Ray waits 30 s for its node's processes), or start Ray "
+                        f"once with `{start}` and run with cluster.address=auto",
+                        num_cpus=cluster.num_cpus, object_store_memory=cluster.object_store_memory,
+                        resources=resources, runtime_env=runtime_env, log_to_driver=False, logging_level=level)
+    logs = _logs_dir(context)
+    log(f"started a local Ray ({cluster.num_cpus} CPUs, resources {resources or 'GPUs'}; its logs: {logs})")
     try:
-        yield
+        yield logs
     finally:
         ray.shutdown()
 
 
-def _ray_init(what: str, advice: str, **kwargs) -> None:
-    """ray.init, its failure one line (what happened, Ray's first line, what to do) instead of Ray's traceback:
-    e.g. a local node that did not come up within Ray's 30 s on a loaded machine."""
+def _logs_dir(context) -> str | None:
+    """The Ray session's log directory, from what ray.init returned."""
+    session = (getattr(context, "address_info", None) or {}).get("session_dir")
+    return os.path.join(session, "logs") if session else None
+
+
+def _ray_init(what: str, advice: str, **kwargs):
+    """ray.init (its RayContext returned), its failure one line (what happened, Ray's first line, what to do)
+    instead of Ray's traceback: e.g. a local node that did not come up within Ray's 30 s on a loaded machine."""
     import ray
 
     try:
-        ray.init(**kwargs)
+        return ray.init(**kwargs)
     except Exception as e:   # noqa: BLE001 - Ray raises bare Exception, RuntimeError, ConnectionError
         ray.shutdown()   # the processes a half-started local Ray left
         said = (str(e).strip().splitlines() or [type(e).__name__])[0]

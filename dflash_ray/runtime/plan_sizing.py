@@ -69,7 +69,7 @@ def plan_object_store(cfg, plan) -> dict | None:
     gib = need["bytes"] / 2**30
     return {**need, "text": f"object store: the stream needs ~{gib:,.2f} GiB a node ({need['blocks']} blocks of up to "
                             f"{need['block_bytes'] / 2**20:,.0f} MiB, for the {need['why']}); checked at the run's "
-                            f"start, and a store larger than the node's /dev/shm lives on disk (docs/runtime.md)"}
+                            f"start, and a store larger than the node's /dev/shm lives on disk (docs/clusters.md)"}
 
 
 def plan_memory(cfg, plan) -> dict:

@@ -61,12 +61,12 @@ class Progress:
             self.t0, self.s0 = time.time(), p["step"]
         done = p["step"] - self.s0
         rate = done / max(time.time() - self.t0, 1e-9)
-        eta = (p["total_steps"] - p["step"]) / rate if rate > 0 else float("nan")
+        eta = f"{(p['total_steps'] - p['step']) / rate:.0f}s" if rate > 0 else "-"   # no step timed yet
         loss = "-" if p["loss"] is None else f"{p['loss']:.4f}"
         tau = "" if p.get("heldout_tau") is None else f"  held-out tau {p['heldout_tau']:.2f}"
         return (f"step {p['step']}/{p['total_steps']}  tokens/s {p['tokens_per_second']:.0f} "
                 f"(block {p.get('block_tokens_per_second', 0.0):.0f})  loss {loss}{tau}  "
-                f"ETA {eta:.0f}s  failures survived {p['failures_survived']}")
+                f"ETA {eta}  failures survived {p['failures_survived']}")
 
     def _tqdm(self, bar, p):
         from tqdm import tqdm

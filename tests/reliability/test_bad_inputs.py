@@ -1,4 +1,4 @@
-"""Bad input beyond the planner (issue 11): each case ends in exit code 2 and ONE line on stderr naming
+"""Bad input beyond the planner: each case ends in exit code 2 and ONE line on stderr naming
 the file, row or key (or a counted skip), before any training starts. Real shards, tokenizers and HF
 models built from configs; the train command runs against the session's Ray (`ray_session`), which only
 the cluster-size case needs: the others fail in resolve_spec, which main_job calls inside the cluster."""

@@ -1,6 +1,8 @@
 """`dflash-ray plot [RUN_DIR]`: PNGs of a run from its metrics.jsonl and ledger.jsonl.
 
     plots/loss.png               loss (and the measured tau on training blocks) over optimizer steps
+    plots/heldout_tau.png        loss and held-out tau over steps: the fresh drafter at step 0, every evaluation
+                                 during training (train.heldout_every), the trained drafter at the end
     plots/tokens_per_second.png  trained tokens per second over steps
     plots/buckets.png            the length bucket of every batch of every step, as a strip
 """
@@ -55,6 +57,22 @@ def plot_run(run_dir, out_dir=None) -> list[Path]:
     fig.savefig(paths[-1], dpi=100)
     plt.close(fig)
 
+    curve = heldout_curve(run_dir, int(steps[-1]))
+    if curve:
+        fig, ax = plt.subplots(figsize=(8, 4))
+        ax.plot(steps, [m["loss"] for m in metrics], color="tab:blue", lw=1)
+        ax.set_xlabel("optimizer step")
+        ax.set_ylabel("loss (weighted CE)", color="tab:blue")
+        ax2 = ax.twinx()
+        ax2.plot([s for s, _ in curve], [t for _, t in curve], "o-", color="tab:red")
+        ax2.set_ylabel("held-out tau (speculative decoding)", color="tab:red")
+        ax2.set_ylim(bottom=min(1.0, min(t for _, t in curve)))
+        ax.set_title(f"{run_dir.name}: loss and held-out tau")
+        fig.tight_layout()
+        paths.append(out / "heldout_tau.png")
+        fig.savefig(paths[-1], dpi=100)
+        plt.close(fig)
+
     fig, ax = plt.subplots(figsize=(8, 4))
     ax.plot(steps, [m.get("tokens_per_second", 0.0) for m in metrics], color="tab:orange")
     restarts = [m["step"] for a, m in zip(metrics, metrics[1:]) if m.get("attempt", 1) != a.get("attempt", 1)]
@@ -87,3 +105,24 @@ def plot_run(run_dir, out_dir=None) -> list[Path]:
         fig.savefig(paths[-1], dpi=100)
         plt.close(fig)
     return paths
+
+
+def heldout_curve(run_dir, last_step: int) -> list[tuple[int, float]]:
+    """(step, held-out tau) of a run: the fresh drafter at step 0 and the trained one at `last_step` (summary.json),
+    every evaluation during training between them (evals.jsonl); [] when the run measured none."""
+    import json
+
+    from dflash_ray.run_layout import RunLayout
+    from dflash_ray.runtime.record.ledger import read_jsonl
+
+    files = RunLayout(Path(run_dir))
+    points = {int(e["step"]): float(e["tau"]) for e in read_jsonl(files.evals) if e.get("tau") is not None}
+    try:
+        tau = json.loads(files.summary.read_text()).get("heldout_tau") or {}
+    except (OSError, ValueError):
+        tau = {}
+    if (tau.get("initial") or {}).get("tau") is not None:
+        points[0] = float(tau["initial"]["tau"])
+    if (tau.get("trained") or {}).get("tau") is not None:
+        points[last_step] = float(tau["trained"]["tau"])
+    return sorted(points.items())

@@ -9,7 +9,7 @@ read back in later epochs, on the node that computed them. No Ray, no torch: num
     offline  hybrid, with the target's pass over every sample first (stream/offline.py), before the drafter
              workers start, on every target slot: the peers' offline path (dump, then train) inside one run.
              Asked for only: on two shared CPU cores it measured slower than side by side (443 s against
-             413 s for SmolLM2's one-epoch job, docs/performance.md)
+             413 s for SmolLM2's one-epoch job, docs/notes/performance.md)
     auto     hybrid when the run trains more than one epoch and the cache fits `train.feature_cache_gb` and
              the disk; online otherwise, saying why (the 8B presets' corpora need terabytes)
 
@@ -79,7 +79,7 @@ def choose_features(mode: str, epochs: int, need_bytes: int, budget_gb: float, f
     """(online | hybrid | offline, why): `train.features` answered for this run. auto stays online when the
     cache would not fit (and says why); an explicit hybrid or offline that would not fit is refused, one line.
     auto never takes offline: side by side (online, hybrid's first epoch) measured faster than the target's
-    pass first on two shared CPU cores (docs/performance.md)."""
+    pass first on two shared CPU cores (docs/notes/performance.md)."""
     from dflash_ray.errors import UserError
 
     need = f"{need_bytes / 2**30:,.2f} GiB of features"

@@ -5,7 +5,7 @@ The peers' offline order (SpecForge, Model Optimizer: dump the features, then tr
 target pool takes every target slot (every GPU, or on CPUs every core split over the target resource's
 slots), ends, and gives them back before Ray Train starts. Asked for only (`auto` never takes it): on two
 shared CPU cores side by side measured faster (SmolLM2's one-epoch job: 413 s online against 443 s offline
-in one run, docs/performance.md); a node whose every GPU can run the target first is the case it is for,
+in one run, docs/notes/performance.md); a node whose every GPU can run the target first is the case it is for,
 not measured.
 
     ray.data.range(blocks) -> .map_batches(offline_tokens) -> .map_batches(TargetForward, keep_features=False)

@@ -169,7 +169,7 @@ class TrainRow:
         host-to-device copy of a Qwen3-8B batch's features (~0.67 GB: ~80 ms from pageable memory at the
         H200's 8.2 GB/s) overlaps the training thread's step instead of starting it. The source is the object
         store's buffer itself (no pinned copy first: that would be another host copy of the same size).
-        Not run on a GPU yet (no device in the session that wrote it); the CPU path never stages."""
+        Not yet run on a GPU; the CPU path never stages."""
         import torch
 
         with torch.cuda.stream(stream):

@@ -6,10 +6,10 @@ every rank's files into the same checkpoint directory and registers the checkpoi
 have reported (an interrupted upload is never registered, so never resumed from).
 
 When: `checkpoint_due` (every `train.checkpoint_every` steps and/or every `train.checkpoint_every_minutes`
-of rank 0's clock, at each epoch's end, after the last step). How: the files are written synchronously
-(training waits for them), then handed to Ray Train; with `train.checkpoint_upload: async` (Ray Train v2's
-`CheckpointUploadMode.ASYNC`) their upload to the run's storage happens in a background thread of each
-worker while training goes on. Either way a checkpoint is registered (becomes the one a restart resumes
+of rank 0's clock, at each epoch's end, after the last step). How: with `train.checkpoint_upload: async`
+(Ray Train v2's `CheckpointUploadMode.ASYNC`) rank 0 takes a host snapshot of its state (training waits only
+for that copy), and each rank's background thread writes the files from it and uploads them to the run's
+storage while training goes on; with `sync` the files are written and uploaded before training goes on. Either way a checkpoint is registered (becomes the one a restart resumes
 from) only after every rank's upload has finished, and in report order: what a restart sees is whole.
 
 The feed of a restarted worker group must start where the checkpoint it will resume from ends. Ray

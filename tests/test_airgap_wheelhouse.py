@@ -1,7 +1,8 @@
-"""The device wheelhouse's tooling (scripts/wheelhouse.py, scripts/device-install.sh) without a network: a
+"""The air-gapped install's tooling (scripts/wheelhouse.py, scripts/airgap-install.sh) without a network: a
 small wheel made here is trimmed like Ray's (paths dropped, RECORD rewritten, binaries stripped, exec bits
-kept), installs with `pip install --no-index`, the budget check fails with exit 2 and one line, the
-dependency walk stops at the image's packages, and device-install.sh refuses with one line."""
+kept), installs with `pip install --no-index`, there is no budget unless one is given and then over it exits 2
+with one line, the dependency walk stops at the image's packages, the image's own `pip list --format=freeze`
+replaces the default list, and airgap-install.sh refuses with one line."""
 from __future__ import annotations
 
 import base64
@@ -27,7 +28,7 @@ wh = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(wh)
 
 DROP = ["demo/heavy/*", "demo/ui/*.map", "*/tests/*"]
-# pip reads no machine config (find-links, extra indexes) and no index: what an offline device sees
+# pip reads no machine config (find-links, extra indexes) and no index: what an air-gapped node sees
 OFFLINE_ENV = {**os.environ, "PIP_CONFIG_FILE": os.devnull, "PIP_NO_INDEX": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
 OFFLINE_ENV.pop("PIP_FIND_LINKS", None)
 
@@ -121,7 +122,7 @@ def test_trimmed_wheel_drops_paths_keeps_a_valid_record_and_installs_offline(tmp
     assert r.stdout.strip() == "1", r.stderr
 
 
-def test_manifest_lists_each_file_and_the_budget_check_exits_2_with_one_line(tmp_path):
+def test_manifest_lists_each_file_and_a_budget_given_exits_2_with_one_line(tmp_path):
     src = make_wheel(tmp_path)
     house = tmp_path / "house"
     wh.trim_wheel(src, house, drop=DROP)
@@ -131,11 +132,12 @@ def test_manifest_lists_each_file_and_the_budget_check_exits_2_with_one_line(tmp
                        capture_output=True, text=True)
     assert r.returncode == 2
     lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("device-wheelhouse: ") and "over the 0.001 MiB budget" in lines[0]
+    assert len(lines) == 1 and lines[0].startswith("airgap-wheelhouse: ") and "over the 0.001 MiB budget" in lines[0]
 
-    r = subprocess.run([sys.executable, str(SCRIPT), "manifest", str(house), "--budget-mib", "56"],
+    r = subprocess.run([sys.executable, str(SCRIPT), "manifest", str(house)],   # the default: no budget
                        capture_output=True, text=True)
     assert r.returncode == 0 and r.stderr == "", r.stderr
+    assert "(no budget)" in r.stdout
     manifest = json.loads((house / "MANIFEST.json").read_text())
     assert {f["file"] for f in manifest["files"]} == {src.name, "other-2.0-py3-none-any.whl"}
     for f in manifest["files"]:
@@ -163,21 +165,49 @@ def test_the_dependency_walk_follows_extras_and_markers_and_stops_at_the_image()
         wh.closure([_dist("a", "missing")], roots=["a"], image=frozenset())
 
 
-def _device_install(wheelhouse, **env):
-    return subprocess.run(["bash", str(REPO / "scripts" / "device-install.sh"), str(wheelhouse)],
+def test_the_image_list_comes_from_its_pip_freeze(tmp_path):
+    freeze = tmp_path / "image-packages.txt"    # what `pip list --format=freeze` prints in the image, and more
+    freeze.write_text("# from the image\nTorch==2.11.0+cu130\nnumpy==2.5.2\nPyArrow==17.0.0\n"
+                      "transformers==5.17.0\nsafetensors==0.8.0\ntokenizers==0.23.2\ntqdm==4.67.1\n"
+                      "matplotlib==3.10.0\nhuggingface_hub==1.0.0\nc==2.0\nlocal-pkg @ file:///wheels/local.whl\n"
+                      "-e git+https://example.com/x.git#egg=x\n\n")
+    versions = wh.read_image_packages(freeze)
+    assert versions["torch"] == "2.11.0+cu130" and versions["pyarrow"] == "17.0.0"
+    assert versions["huggingface-hub"] == "1.0.0" and versions["local-pkg"] is None and "x" not in versions
+
+    # the image has no accelerate: the project's requirement goes into the wheelhouse's roots
+    roots = wh.project_roots(frozenset(versions))
+    assert roots[:len(wh.ROOTS)] == wh.ROOTS and roots[len(wh.ROOTS):] == ["accelerate>=1.1"]
+    assert wh.project_roots(wh.CUDA_TORCH_IMAGE_PACKAGES) == wh.ROOTS   # the default image has them all
+    with pytest.raises(SystemExit, match="the image has no torch"):
+        wh.project_roots(frozenset(versions) - {"torch"})
+
+    # the walk stops at the image's packages, and the build names those too old for what is carried
+    resolved = [_dist("a", "b>=1", "c>=2.5", "pyarrow>=14"), _dist("b"), _dist("c"), _dist("pyarrow")]
+    carried, on_image = wh.closure(resolved, roots=["a"], image=frozenset(versions))
+    assert [r["name"] for r in carried] == ["a", "b"] and on_image == {"c": [">=2.5"], "pyarrow": [">=14"]}
+    assert wh.too_old_on_image(on_image, versions) == ["c 2.0 (wants >=2.5)"]
+
+    (tmp_path / "empty.txt").write_text("# nothing\n")
+    with pytest.raises(SystemExit, match="names no package"):
+        wh.read_image_packages(tmp_path / "empty.txt")
+
+
+def _airgap_install(wheelhouse, **env):
+    return subprocess.run(["bash", str(REPO / "scripts" / "airgap-install.sh"), str(wheelhouse)],
                           capture_output=True, text=True, env={**OFFLINE_ENV, "PYTHON": sys.executable, **env})
 
 
-def test_device_install_refuses_with_one_line(tmp_path):
-    r = _device_install(tmp_path / "nowhere")
+def test_airgap_install_refuses_with_one_line(tmp_path):
+    r = _airgap_install(tmp_path / "nowhere")
     assert r.returncode == 2 and len(r.stderr.strip().splitlines()) == 1
-    assert r.stderr.startswith("device-install: no wheelhouse at")
+    assert r.stderr.startswith("airgap-install: no wheelhouse at")
 
     house = tmp_path / "house"
-    house.mkdir()   # the image's pip is too old for what a carried package asks, and one is not there
-    (house / "MANIFEST.json").write_text(json.dumps({"on_device_image_not_carried": {
+    house.mkdir()   # the image's pip is too old for what a package in the wheelhouse asks, and one is not there
+    (house / "MANIFEST.json").write_text(json.dumps({"on_image_not_carried": {
         "pip": [">=999"], "surely-not-installed-pkg": ["*"]}}))
-    r = _device_install(house)
+    r = _airgap_install(house)
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1, r.stderr
     assert "pip " in lines[0] and "wants >=999" in lines[0] and "surely-not-installed-pkg (missing)" in lines[0]
