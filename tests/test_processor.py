@@ -11,7 +11,7 @@ from dflash_ray.processor import choose_cpu_dtype, cpu_compute_dtype, processor_
 
 
 def test_bf16_only_where_it_is_fast():
-    assert choose_cpu_dtype(87.8, 210.6)[0] == "bfloat16"          # this machine's AVX-512 BF16 (2.4x)
+    assert choose_cpu_dtype(87.8, 210.6)[0] == "bfloat16"          # a 2-core AMD EPYC's AVX-512 BF16 (2.4x)
     dtype, why = choose_cpu_dtype(63.6, 1.1)                          # an AVX2-only processor (measured)
     assert dtype == "float32" and "no fast bf16" in why and "0.02x" in why
     assert choose_cpu_dtype(100.0, 110.0)[0] == "float32"            # 1.1x: not worth bf16's rounding

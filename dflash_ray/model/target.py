@@ -22,8 +22,8 @@ from transformers.masking_utils import create_causal_mask
 from dflash_ray.hf_config import text_config
 from dflash_ray.sizing.memory import stage_layers  # noqa: F401  (the stages' layers)
 
-# transformers renamed create_causal_mask's `past_key_values` to `cache` (between 5.17, the GPU image's, and
-# 5.24, this machine's). Pass whichever name this version takes.
+# transformers renamed create_causal_mask's `past_key_values` to `cache` (between 5.17 and 5.24).
+# Pass whichever name this version takes.
 _MASK_PARAMS = inspect.signature(create_causal_mask).parameters
 _NO_CACHE = {("cache" if "cache" in _MASK_PARAMS else "past_key_values"): None}
 

@@ -10,7 +10,7 @@
 
 G (`rows_per_block`) is as many plan batches as fit in `cluster.stream_block_mb` with the feed's largest
 batch's features: Ray Data's costs are per block and per task (the split coordinator, a task per join, an
-actor call per forward: ~70 ms of CPU a block on this machine), so tiny batches share them, while a GPU
+actor call per forward: ~70 ms of CPU a block on a 2-core CPU), so tiny batches share them, while a GPU
 run's batches (~0.7 GB of features at Qwen3-8B's shape) stay one a block, as a block is also the unit of
 memory in flight.
 
