@@ -55,8 +55,8 @@ def test_without_the_peers_venv_the_command_says_what_to_run_and_exits_2(tmp_pat
 def test_the_feature_dump_writes_each_sample_as_specforge_reads_it_equal_to_its_own_forward(tmp_path):
     """SpecForge's offline input (benchmarks/peers/whole_job.py's adapter, this project's code): one file a
     sample, input_ids [S], loss_mask [S], hidden_states [S, taps x H] with their layer id k = transformers'
-    hidden_states[k + 1]. Rows of different lengths share right-padded batches: every file must equal the
-    sample's own unpadded forward."""
+    hidden_states[k + 1]. Rows of different lengths share right-padded batches, and the dump's forward stops
+    after the last tap and one more layer: every file must equal the sample's own unpadded, whole forward."""
     import pyarrow as pa
     import pyarrow.parquet as pq
     from transformers import AutoModelForCausalLM
@@ -72,7 +72,7 @@ def test_the_feature_dump_writes_each_sample_as_specforge_reads_it_equal_to_its_
     masks = [[0] * (n // 2) + [1] * (n - n // 2) for n in lengths]
     (tmp_path / "shards").mkdir()
     pq.write_table(pa.table({"input_ids": ids, "loss_mask": masks}), tmp_path / "shards" / "part-0.parquet")
-    taps = [0, 2]
+    taps = [0, 1]     # the dump stops after layer 2 of 4: the states it keeps must be the whole forward's
     # a budget of 30 tokens: batches of one to three rows, most of them padded
     out = whole_job.dump_features({"shards": str(tmp_path / "shards"), "target": target}, tmp_path / "features",
                                   taps, max_batch_tokens=30)
@@ -86,6 +86,27 @@ def test_the_feature_dump_writes_each_sample_as_specforge_reads_it_equal_to_its_
         assert saved["input_ids"].tolist() == ids[i] and saved["loss_mask"].tolist() == masks[i]
         with torch.no_grad():
             hs = model(torch.tensor([ids[i]]), output_hidden_states=True).hidden_states
-        expected = torch.cat([hs[1][0], hs[3][0]], dim=-1)   # their layer ids 0 and 2
+        expected = torch.cat([hs[1][0], hs[2][0]], dim=-1)   # their layer ids 0 and 1
         assert saved["hidden_states"].shape == (lengths[i], 2 * TINY_QWEN3["hidden_size"])
         torch.testing.assert_close(saved["hidden_states"], expected, atol=1e-5, rtol=1e-5)
+
+
+def test_the_block_counter_counts_what_a_peers_sampler_kept():
+    """The peers' trained blocks are counted from their own sampler's output (its keep mask), on an object or
+    on a class, and read once per step."""
+    harness = _load("harness")
+
+    class Sampler:
+        def _sample_anchor_positions(self, seq_len, loss_mask, device):
+            keep = loss_mask[:, :4] > 0                    # a row keeps its supervised positions among the first 4
+            return torch.zeros_like(keep, dtype=torch.long), keep
+
+    mask = torch.tensor([[1, 1, 0, 1, 1], [0, 0, 0, 1, 1]])
+    one = Sampler()
+    counter = harness.BlockCounter(one)
+    one._sample_anchor_positions(5, mask, "cpu")
+    one._sample_anchor_positions(5, mask, "cpu")
+    assert counter.take() == 2 * (3 + 1) and counter.take() == 0
+    on_class = harness.BlockCounter(Sampler)
+    Sampler()._sample_anchor_positions(5, mask, "cpu")
+    assert on_class.take() == 4

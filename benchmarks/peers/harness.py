@@ -36,6 +36,36 @@ def profile_steps(step, n: int) -> dict:
     return {"seconds_per_step": sum(parts.values()), "by_part": parts, "top_ops": top}
 
 
+class BlockCounter:
+    """The anchor blocks a peer trains, counted from its own sampler's output: wraps `_sample_anchor_positions`
+    (SpecForge's OnlineDFlashModel and Model Optimizer's DFlash model both name it so and return (anchor
+    positions, keep mask)) on an object or a class, and sums the keep mask of every call."""
+
+    def __init__(self, owner):
+        self.total, self.taken = 0, 0
+        original = owner._sample_anchor_positions
+        is_class = isinstance(owner, type)
+
+        def counted(*args, **kwargs):
+            anchors, keep = original(*args, **kwargs)
+            self.total += int(keep.sum())
+            return anchors, keep
+
+        if is_class:   # the method unbound: `self` comes first in args
+            def counted_method(model, *args, **kwargs):
+                anchors, keep = original(model, *args, **kwargs)
+                self.total += int(keep.sum())
+                return anchors, keep
+            owner._sample_anchor_positions = counted_method
+        else:
+            owner._sample_anchor_positions = counted
+
+    def take(self, *_) -> int:
+        """Blocks counted since the last take (a timed loop's `anchors` callable)."""
+        n, self.taken = self.total - self.taken, self.total
+        return n
+
+
 def peer_args():
     """A peer script's arguments: the work file, timed steps, warm-up steps, steps to profile after."""
     ap = argparse.ArgumentParser()
@@ -43,21 +73,26 @@ def peer_args():
     ap.add_argument("--steps", type=int, required=True)
     ap.add_argument("--warmup", type=int, required=True)
     ap.add_argument("--profile", type=int, default=0, help="then profile this many more steps")
+    ap.add_argument("--objective-chunk-blocks", type=int, default=128,
+                    help="SpecForge's training.objective_chunk_blocks (its default 128: the LM head's logits "
+                         "recomputed in backward, chunk by chunk; 0: computed once, kept)")
     return ap.parse_args()
 
 
 def time_steps(trainer: str, one, anchors, work: dict, args, **extra) -> dict:
     """`one(step)` (one optimizer step on batch `step`, returning its loss) over warm-up + timed batches;
-    `anchors(rows)`: the anchors the peer trains on those rows by its own rule. What step_loop.py reads."""
+    `anchors(rows)`: the anchor blocks the peer trained in that step (BlockCounter.take: counted from its
+    sampler's output). What step_loop.py reads."""
     rows, ids = work["shape"]["rows"], work["input_ids"]
     losses, blocks, elapsed = [], 0, 0.0
     for step in range(args.steps + args.warmup):
         t0 = time.perf_counter()
         loss = one(step)
         dt = time.perf_counter() - t0
+        trained = anchors(slice(step * rows, (step + 1) * rows))   # every step's: a counter is read each step
         if step >= args.warmup:
             elapsed += dt
-            blocks += anchors(slice(step * rows, (step + 1) * rows))
+            blocks += trained
             losses.append(float(loss))
     return {"trainer": trainer, "steps": args.steps, "seconds": elapsed,
             "block_tokens": blocks * work["shape"]["block"], "context_tokens": int(args.steps * rows * ids.shape[1]),

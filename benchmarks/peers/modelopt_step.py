@@ -19,7 +19,7 @@ import warnings
 
 import torch
 
-from harness import peer_args, time_steps
+from harness import BlockCounter, peer_args, time_steps
 
 warnings.filterwarnings("ignore")
 logging.disable(logging.WARNING)
@@ -36,6 +36,7 @@ def main() -> None:
     s = w["shape"]
     model = offline_model(w["target_dir"], s)
     model.train()
+    blocks = BlockCounter(model)
     params = [p for p in model.parameters() if p.requires_grad]
     total = args.steps + args.warmup
     opt = torch.optim.AdamW(params, lr=s["lr"], weight_decay=s["weight_decay"])
@@ -53,11 +54,7 @@ def main() -> None:
         opt.zero_grad(set_to_none=True)
         return out.loss
 
-    def anchors(sl):   # theirs: min(num_anchors, supervised positions up to seq_len - block)
-        valid = (mask[sl][:, : ids.shape[1] - s["block"] + 1] > 0).sum(dim=1)
-        return int(valid.clamp(max=s["anchors_per_row"]).sum())
-
-    print(json.dumps(time_steps("Model Optimizer 0.47.0", one, anchors, w, args,
+    print(json.dumps(time_steps("Model Optimizer 0.47.0", one, blocks.take, w, args,
                                 trainable_parameters=sum(p.numel() for p in params))))
 
 

@@ -11,9 +11,11 @@ and knobs (step_loop.preset_shape), epochs, rows a step and the export directory
 Their offline path through their Python API, as modelopt_step.py times it: `mtsp.convert(model,
 [("dflash", cfg)])` with `dflash_offline=True`, the decayed hard-label objective, then what their HF-Trainer
 recipe runs around it (their script is not in the wheel; `TrainingArguments` refuses their bf16/tf32 on
-CPUs): backward, clipping, torch's AdamW, transformers' warmup + cosine, the samples shuffled each epoch
-(seeded) and cut into steps of `rows` rows, right-padded to the longest rounded up to a whole block (padding lies after every anchor's
-context, and its loss mask is 0). Then `model.get_exporter().export(dir)`: model.safetensors and config.json
+CPUs): backward, clipping, torch's AdamW, transformers' warmup + cosine, the samples of each epoch in the
+order of the HF Trainer's `group_by_length=True` (its LengthGroupedSampler: shuffled, seeded, cut into
+megabatches of 50 steps, each sorted by length, the longest first) and cut into steps of `rows` rows,
+right-padded to the longest rounded up to a whole block (padding lies after every anchor's context, and its
+loss mask is 0). Their trained blocks are counted from their own sampler's keep mask (harness.BlockCounter). Then `model.get_exporter().export(dir)`: model.safetensors and config.json
 in the z-lab layout, which the reference package loads.
 
 Their conversion takes the draft's RoPE base from the target's config attribute `rope_theta`, which
@@ -30,11 +32,15 @@ import logging
 import math
 import os
 import random
+import sys
 import time
 import warnings
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from harness import BlockCounter  # noqa: E402
 
 warnings.filterwarnings("ignore")
 logging.disable(logging.WARNING)
@@ -55,6 +61,15 @@ def padded(samples: list[dict], multiple: int) -> tuple[torch.Tensor, torch.Tens
         k = len(s["input_ids"])
         ids[r, :k], mask[r, :k], hidden[r, :k] = s["input_ids"], s["loss_mask"].float(), s["hidden_states"]
     return ids, mask, hidden
+
+
+def length_grouped(lengths: list[int], rows: int, rng: random.Random, megabatch_steps: int = 50) -> list[int]:
+    """The order of transformers' LengthGroupedSampler (Trainer's group_by_length): a shuffled permutation cut into
+    megabatches of `megabatch_steps` x `rows` samples, each sorted by length, longest first."""
+    order = list(range(len(lengths)))
+    rng.shuffle(order)
+    size = megabatch_steps * rows
+    return [i for m in range(0, len(order), size) for i in sorted(order[m:m + size], key=lambda k: -lengths[k])]
 
 
 def offline_model(target_dir: str, s: dict):
@@ -95,16 +110,17 @@ def main() -> None:
     load_s = time.monotonic() - t0
     model = offline_model(s["target_dir"], s)
     model.train()
+    blocks = BlockCounter(model)
     params = [p for p in model.parameters() if p.requires_grad]
     rows, epochs = work["rows_per_step"], work["epochs"]
     total = math.ceil(len(samples) / rows) * epochs
     opt = torch.optim.AdamW(params, lr=s["lr"], weight_decay=s["weight_decay"])
     sched = get_cosine_schedule_with_warmup(opt, round(s["warmup_ratio"] * total), total)
     rng = random.Random(s["seed"])
-    steps, block_tokens, context_tokens, loss = 0, 0, 0, float("nan")
+    lengths = [len(x["input_ids"]) for x in samples]
+    steps, context_tokens, loss = 0, 0, float("nan")
     for _ in range(epochs):
-        order = list(range(len(samples)))
-        rng.shuffle(order)
+        order = length_grouped(lengths, rows, rng)
         for i in range(0, len(order), rows):
             ids, mask, hidden = padded([samples[k] for k in order[i:i + rows]], s["block"])
             out = model(input_ids=ids, base_model_outputs={"aux_hidden_states": hidden}, loss_mask=mask)
@@ -113,15 +129,12 @@ def main() -> None:
             opt.step()
             sched.step()
             opt.zero_grad(set_to_none=True)
-            # their sampler: min(num_anchors, supervised positions that leave a whole block) a row
-            valid = (mask[:, : ids.shape[1] - s["block"] + 1] > 0).sum(dim=1)
-            block_tokens += int(valid.clamp(max=s["anchors_per_row"]).sum()) * s["block"]
             context_tokens += sum(len(samples[k]["input_ids"]) for k in order[i:i + rows])
             steps, loss = steps + 1, float(out.loss)
     train_s = time.monotonic() - t0
     t1 = time.monotonic()
     model.get_exporter().export(work["export"], dtype=torch.float32)
-    print(json.dumps({"steps": steps, "block_tokens": block_tokens, "context_tokens": context_tokens,
+    print(json.dumps({"steps": steps, "block_tokens": blocks.total * s["block"], "context_tokens": context_tokens,
                       "final_loss": loss, "load_seconds": load_s, "train_seconds": train_s,
                       "export_seconds": time.monotonic() - t1}))
 

@@ -16,7 +16,7 @@ import warnings
 import torch
 from torch import nn
 
-from harness import peer_args, time_steps
+from harness import BlockCounter, peer_args, time_steps
 
 warnings.filterwarnings("ignore")
 
@@ -53,7 +53,8 @@ def main() -> None:
     head.weight.data.copy_(w["head"])
     model = OnlineDFlashModel(draft, head, embed, mask_token_id=s["mask_token_id"], block_size=s["block"],
                               attention_backend="sdpa", num_anchors=s["anchors_per_row"],
-                              loss_decay_gamma=s["loss_gamma"])
+                              loss_decay_gamma=s["loss_gamma"], objective_chunk_blocks=args.objective_chunk_blocks)
+    blocks = BlockCounter(model)
     total = args.steps + args.warmup
     opt = BF16Optimizer(draft, lr=s["lr"], weight_decay=s["weight_decay"], max_grad_norm=s["grad_clip"],
                         warmup_ratio=s["warmup_ratio"], lr_scheduler="cosine", total_steps=total)
@@ -66,11 +67,8 @@ def main() -> None:
         opt.step()
         return loss
 
-    def anchors(sl):   # theirs: min(num_anchors, positions whose token and next token are supervised)
-        m = mask[sl] > 0
-        return int((m[:, :-1] & m[:, 1:]).sum(dim=1).clamp(max=s["anchors_per_row"]).sum())
-
-    print(json.dumps(time_steps("SpecForge 0.2.0", one, anchors, w, args)))
+    name = "SpecForge 0.2.0" + ("" if args.objective_chunk_blocks else " (objective_chunk_blocks=0)")
+    print(json.dumps(time_steps(name, one, blocks.take, w, args, objective_chunk_blocks=args.objective_chunk_blocks)))
 
 
 if __name__ == "__main__":

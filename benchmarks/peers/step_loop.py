@@ -10,7 +10,7 @@ states at the smollm2_135m preset's taps on real English text (this repository's
 rows), a quarter of each row unsupervised (a prompt) and the rest supervised. The drafter is the preset's: 2
 layers at the target's width, heads and MLP, block 8, full attention, fp32, one thread a side. Both sides
 train the same number of anchors a row (at most `--anchors-per-row` of the positions whose token and next
-token are supervised), hard labels with the same decay (gamma 4 at block 8), AdamW at the preset's lr (3e-3 in the runs of 2026-12-05/06),
+token are supervised), hard labels with the same decay (gamma 4 at block 8), AdamW at the preset's lr,
 weight decay 0, clip 1.0, warmup + cosine, one optimizer step a batch of `--rows` rows.
 
 What differs and stays: each side samples its own anchors with its own generator (the same count a row:
@@ -20,9 +20,16 @@ CPU runs use (`attention_backend=auto`); SpecForge keeps fp32 master copies of t
 BF16Optimizer) even when they are fp32 already; Model Optimizer's loop around its forward is plain torch
 (benchmarks/peers/modelopt_step.py says why).
 
-Runs alternate (ours, SpecForge, Model Optimizer, ours, ...) so that a noisy neighbour hits both; the table gives trained block
-tokens/s (anchor blocks x block size: the drafter's work) and context tokens/s, medians over repeats with
-min..max, and the ratio of the medians.
+The sides: each trainer at its users' settings, and two controls. SpecForge's default recomputes the LM
+head's logits in backward (objective_chunk_blocks 128: activation checkpointing, memory for time); its users
+can turn that off (0), so both are measured. Ours with SDPA over the dense mask, as the peers attend, says
+what our attention kernel is worth and what the rest of our step is worth.
+
+Runs alternate (every side once a round) so that a noisy neighbour hits all; the table gives trained block
+tokens/s (anchor blocks x block size: the drafter's work, counted from each side's output: ours from its
+step's result, the peers' from their sampler's keep mask) and context tokens/s, medians over repeats with
+min..max, and the ratio of the medians with its range over every pairing of runs. --json records the commit
+and the exact command.
 """
 from __future__ import annotations
 
@@ -100,9 +107,10 @@ def make_work(path: Path, *, rows: int, seq: int, batches: int, anchors_per_row:
                 "embed": embed, "head": head, "target_dir": str(target_dir)}, path)
 
 
-def run_ours(path: Path, steps: int, warmup: int, profile: int = 0) -> dict:
+def run_ours(path: Path, steps: int, warmup: int, profile: int = 0, attention: str = "auto") -> dict:
     """This project's step (runtime/training/step.py's train_step over model/drafter.py's training loss),
-    one optimizer step a batch, in this process."""
+    one optimizer step a batch, in this process. `attention`: the drafter's backend ("auto": what its CPU runs
+    use; "sdpa": SDPA over the dense mask, as the peers attend: the control for what the kernel is worth)."""
     import numpy as np
     import torch
     from transformers import AutoConfig
@@ -119,7 +127,8 @@ def run_ours(path: Path, steps: int, warmup: int, profile: int = 0) -> dict:
     cfg = DrafterConfig(num_draft_layers=s["draft_layers"], block_size=s["block"], num_anchors=s["anchors_per_row"],
                         target_layer_ids=tuple(s["taps"]), loss_gamma=s["loss_gamma"],
                         mask_token_id=s["mask_token_id"])
-    drafter = build_drafter(cfg, AutoConfig.from_pretrained(w["target_dir"]), w["embed"], w["head"], seed=s["seed"])
+    drafter = build_drafter(cfg, AutoConfig.from_pretrained(w["target_dir"]), w["embed"], w["head"], seed=s["seed"],
+                            attention_backend=attention)
     model = LossModule(drafter)
     total = steps + warmup
     opt = torch.optim.AdamW(list(drafter.trainable_parameters()), lr=s["lr"], weight_decay=s["weight_decay"])
@@ -146,16 +155,17 @@ def run_ours(path: Path, steps: int, warmup: int, profile: int = 0) -> dict:
             elapsed += dt
             block_tokens += r.block_tokens
             losses.append(r.loss)
-    return {"trainer": "dflash-ray", "steps": steps, "seconds": elapsed, "block_tokens": block_tokens,
+    return {"trainer": "dflash-ray" + ("" if attention == "auto" else f" ({attention} attention)"),
+            "steps": steps, "seconds": elapsed, "block_tokens": block_tokens,
             "context_tokens": steps * rows * seq, "losses": losses,
             "profile": profile_steps(lambda: one(feed[0]), profile) if profile else None}
 
 
-def peer(script: str, name: str):
+def peer(script: str, name: str, *extra: str):
     """A peer's step (benchmarks/peers/<script>), run in the peers' venv on the work file."""
     def run(path: Path, steps: int, warmup: int, profile: int = 0) -> dict:
         out = subprocess.run([str(PEERS_PY), str(REPO / "benchmarks" / "peers" / script), str(path),
-                              "--steps", str(steps), "--warmup", str(warmup), "--profile", str(profile)],
+                              "--steps", str(steps), "--warmup", str(warmup), "--profile", str(profile), *extra],
                              capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
         if out.returncode != 0:
             raise SystemExit(f"{name}'s step failed (exit {out.returncode}): {out.stderr.strip()[-1500:]}")
@@ -163,18 +173,43 @@ def peer(script: str, name: str):
     return run
 
 
-SIDES = {"dflash-ray": None, "SpecForge 0.2.0": peer("specforge_step.py", "SpecForge"),
+def ours(attention: str = "auto"):
+    """Our side in a fresh process too, so both pay the same for what a process start leaves behind."""
+    def run(path: Path, steps: int, warmup: int, profile: int = 0) -> dict:
+        out = subprocess.run([sys.executable, __file__, "--ours-only", str(path), "--steps", str(steps),
+                              "--warmup", str(warmup), "--profile", str(profile), "--attention", attention],
+                             capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        if out.returncode != 0:
+            raise SystemExit(f"dflash-ray's step failed (exit {out.returncode}): {out.stderr.strip()[-1500:]}")
+        return json.loads(out.stdout.strip().splitlines()[-1])
+    return run
+
+
+# Each side at its users' settings, and the settings that change what a side is measured at: SpecForge's default
+# recomputes the LM head's logits in backward (objective_chunk_blocks 128, activation checkpointing: memory
+# for time), which its users can turn off (0); ours with SDPA over a dense mask, as the peers attend, says what
+# our attention kernel is worth and what the rest of our step is worth.
+SIDES = {"dflash-ray": ours(), "dflash-ray (sdpa attention)": ours("sdpa"),
+         "SpecForge 0.2.0": peer("specforge_step.py", "SpecForge"),
+         "SpecForge 0.2.0 (objective_chunk_blocks=0)": peer("specforge_step.py", "SpecForge", "--objective-chunk-blocks", "0"),
          "Model Optimizer 0.47.0": peer("modelopt_step.py", "Model Optimizer")}
 
 
-def run_ours_in_a_process(path: Path, steps: int, warmup: int, profile: int = 0) -> dict:
-    """Our side in a fresh process too, so both pay the same for what a process start leaves behind."""
-    out = subprocess.run([sys.executable, __file__, "--ours-only", str(path), "--steps", str(steps),
-                          "--warmup", str(warmup), "--profile", str(profile)], capture_output=True, text=True,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
-    if out.returncode != 0:
-        raise SystemExit(f"dflash-ray's step failed (exit {out.returncode}): {out.stderr.strip()[-1500:]}")
-    return json.loads(out.stdout.strip().splitlines()[-1])
+def provenance() -> dict:
+    """The commit the scripts ran at (and whether the tree had changes) and the exact command."""
+    def git(*a):
+        return subprocess.run(["git", *a], cwd=REPO, capture_output=True, text=True).stdout.strip()
+
+    return {"commit": git("rev-parse", "HEAD"), "tree_changed": bool(git("status", "--porcelain", "--", "benchmarks", "dflash_ray")),
+            "command": " ".join([Path(sys.executable).name, *sys.argv]), "date": time.strftime("%Y-%m-%d %H:%M %Z"),
+            "machine": machine()}
+
+
+def machine() -> str:
+    """Cores, processor and GPU (none here) of the machine measuring."""
+    model = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                  if line.startswith("model name")), "?") if Path("/proc/cpuinfo").exists() else "?"
+    return f"{os.cpu_count()} cores, {model}, no GPU"
 
 
 def main(argv=None) -> int:
@@ -190,10 +225,13 @@ def main(argv=None) -> int:
     ap.add_argument("--profile", type=int, default=0,
                     help="then one more run a side that profiles this many steps: CPU seconds a step by part")
     ap.add_argument("--ours-only", metavar="WORK", help=argparse.SUPPRESS)
+    ap.add_argument("--attention", default="auto", help=argparse.SUPPRESS)
+    ap.add_argument("--sides", default=",".join(SIDES), help="the sides to run, comma-separated (default: all)")
     args = ap.parse_args(argv)
     if args.ours_only:
-        print(json.dumps(run_ours(Path(args.ours_only), args.steps, args.warmup, args.profile)))
+        print(json.dumps(run_ours(Path(args.ours_only), args.steps, args.warmup, args.profile, args.attention)))
         return 0
+    sides = {name: SIDES[name] for name in args.sides.split(",")}
     if not PEERS_PY.exists():
         print(f"no peers' venv at {PEERS_PY.parent.parent}: run ./benchmarks/peers/setup.sh first", file=sys.stderr)
         return 2
@@ -204,10 +242,10 @@ def main(argv=None) -> int:
               anchors_per_row=args.anchors_per_row, seed=0)
     print(f"work: {args.rows} rows x {args.seq} tokens a step, {args.anchors_per_row} anchors a row "
           f"(made in {time.time() - t0:.0f} s: {work})", flush=True)
-    runs = {name: [] for name in SIDES}
+    runs = {name: [] for name in sides}
     for r in range(args.repeats):
-        for name, fn in SIDES.items():
-            res = (fn or run_ours_in_a_process)(work, args.steps, args.warmup)
+        for name, fn in sides.items():
+            res = fn(work, args.steps, args.warmup)
             runs[name].append(res)
             print(f"  run {r + 1} {name}: {res['block_tokens'] / res['seconds']:,.0f} block tokens/s, "
                   f"loss {res['losses'][0]:.3f} -> {res['losses'][-1]:.3f}", flush=True)
@@ -219,17 +257,22 @@ def main(argv=None) -> int:
                       "block_max": max(bt), "context_tokens_per_s": statistics.median(ct),
                       "block_tokens_per_step": rs[0]["block_tokens"] / rs[0]["steps"],
                       "density": rs[0]["block_tokens"] / rs[0]["context_tokens"]})
-    ours = table[0]["block_tokens_per_s"]
+    ours_rate = table[0]["block_tokens_per_s"]
+    print(f"\n{args.repeats} runs a side, alternating; {args.steps} timed steps a run after {args.warmup}; trained block "
+          "tokens counted from each side's own output (its anchor sampler's keep mask)")
     print("\n| trainer | trained block tokens/s (median, min..max) | context tokens/s | block tokens a step "
-          "| block tokens per context token | ours / theirs |\n|---|---|---|---|---|---|")
+          "| block tokens per context token | dflash-ray / this (median; min..max over runs) |\n|---|---|---|---|---|---|")
     for t in table:
+        theirs = [x["block_tokens"] / x["seconds"] for x in runs[t["trainer"]]]
+        mine = [x["block_tokens"] / x["seconds"] for x in runs[table[0]["trainer"]]]
+        lo, hi = min(mine) / max(theirs), max(mine) / min(theirs)
         print(f"| {t['trainer']} | {t['block_tokens_per_s']:,.0f} ({t['block_min']:,.0f}..{t['block_max']:,.0f}) "
               f"| {t['context_tokens_per_s']:,.0f} | {t['block_tokens_per_step']:,.0f} | {t['density']:.2f} "
-              f"| {ours / t['block_tokens_per_s']:.2f}x |")
+              f"| {ours_rate / t['block_tokens_per_s']:.2f}x ({lo:.2f}..{hi:.2f}) |")
     profiles = {}
     if args.profile:
-        for name, fn in SIDES.items():
-            profiles[name] = (fn or run_ours_in_a_process)(work, 1, args.warmup, args.profile)["profile"]
+        for name, fn in sides.items():
+            profiles[name] = fn(work, 1, args.warmup, args.profile)["profile"]
         parts = sorted({p for prof in profiles.values() for p in prof["by_part"]})
         print("\nCPU seconds a step, by part (self time of torch's ops, grouped by name: benchmarks/peers/harness.py)")
         print("\n| part | " + " | ".join(profiles) + " |\n|---|" + "---|" * len(profiles))
@@ -240,8 +283,8 @@ def main(argv=None) -> int:
         for name, prof in profiles.items():
             print(f"\n{name}, top ops (s a step): " + ", ".join(f"{k} {v:.3f}" for k, v in prof["top_ops"].items()))
     if args.json:
-        Path(args.json).write_text(json.dumps({"args": vars(args), "runs": runs, "table": table,
-                                               "profiles": profiles}, indent=1))
+        Path(args.json).write_text(json.dumps({"provenance": provenance(), "args": vars(args), "runs": runs,
+                                               "table": table, "profiles": profiles}, indent=1))
     return 0
 
 
