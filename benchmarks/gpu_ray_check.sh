@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# ONE prepared run of the whole job through Ray on a GPU machine (one GPU, e.g. an H200): at most 8 minutes.
+# ONE prepared run of the whole job through Ray on a GPU machine (one GPU, e.g. an H200): at most 8 minutes
+# (4 more where the image has vLLM: part 4).
 #   1. Ray and the missing packages from .wheelhouse/, offline, when the image lacks Ray, OmegaConf or Hydra
 #      (scripts/airgap-wheelhouse.sh builds it on a machine with PyPI; copy it beside this checkout;
 #      docs/air-gapped.md)
@@ -9,6 +10,9 @@
 #      here, `dflash-ray train cluster=1gpu` on the head (one epoch, two stream segments, full-size
 #      checkpoints), the runtime's own pieces without Ray on the same batches, the ratio; the object store's
 #      own account (spills) after the job
+#   4. where the image has vLLM: 240 conversations regenerated with regenerate.engine=vllm (a Ray Data LLM
+#      stage on the head) and with the batched engine, tokens/s and the share of equal turns
+#      (benchmarks/bench_regenerate_engine.py)
 # Writes $OUT/gpu_ray_check.json, the job's log and summary, the object store's account.
 # Usage (on the GPU machine; .wheelhouse/ beside the checkout when the image has no Ray):
 #   bash benchmarks/gpu_ray_check.sh                 # OUT defaults to ./gpu_ray_check_out
@@ -62,6 +66,16 @@ df -h /dev/shm > "$OUT/shm.txt" 2>&1
 status=0
 timeout "${GPU_RAY_CHECK_SECONDS:-500}" "$PY" benchmarks/gpu_ray_check.py --out "$OUT" "${small[@]}" \
   ${GPU_RAY_CHECK_ARGS:-} || status=$?
+# regeneration on vLLM as a Ray Data LLM stage beside the batched engine, where the image has vLLM
+# (regenerate.engine=vllm; the figure it must show: >= 5x batched's tokens/s at >= 95% equal turns in bf16)
+if [ -z "${GPU_CHECK_CPU:-}" ] && "$PY" -c "import vllm" 2>/dev/null; then
+  timeout "${GPU_REGEN_SECONDS:-240}" "$PY" benchmarks/bench_regenerate_engine.py --engines batched,vllm \
+    --device cuda --dtype bfloat16 --conversations 240 --json "$OUT/regenerate_vllm.json" \
+    > "$OUT/regenerate_vllm.log" 2>&1 || status=$((status ? status : 3))
+  tail -12 "$OUT/regenerate_vllm.log"
+else
+  echo "regenerate on vLLM: not run (no vLLM in $PY, or a CPU run)"
+fi
 "$RAY_BIN" memory --stats-only --address "$RAY_ADDRESS" > "$OUT/object_store.txt" 2>&1
 grep -iE "spill|restor|plasma|object store" "$OUT/object_store.txt" | head -8
 run_dir=$(ls -d "$OUT"/work/runs/ray_check 2>/dev/null)

@@ -27,13 +27,16 @@ HELP = {
         "The same conversations with every assistant turn replaced by the target's greedy answer, turn by turn "
         "on the regenerated history, rendered as prepare and serving render it (data.chat_template_kwargs, the "
         "row's tools and system prompt): a Ray Data job over target actors (one per GPU the cluster has; on CPU "
-        "machines one per cluster.cpu_threads.regenerate cores). Resumable: the rows' own ids already in the output are skipped, a torn last "
+        "machines one per cluster.cpu_threads.regenerate cores), or over vLLM or SGLang as a Ray Data LLM stage "
+        "(regenerate.engine=vllm|sglang), or sent to an OpenAI-compatible server you run (regenerate.engine=http "
+        "regenerate.url=...). Greedy unless regenerate.temperature > 0. Resumable: the rows' own ids already in the output are skipped, a torn last "
         "line is cut. A turn that hits regenerate.max_new_tokens is dropped with the rest of its conversation "
         "(regenerate.on_max_tokens=keep keeps it); a conversation stops after the target's first tool call. "
         "Every case is counted by reason (malformed line or conversation, prompt over the target's context, "
         "capped answers, greedy loops, tool calls).",
         ("data.input", "data.tokenizer", "model.target_path", "regenerate.output", "regenerate.max_new_tokens",
-         "regenerate.on_max_tokens", "regenerate.batch_size", "regenerate.engine", "data.chat_template_kwargs", "cluster.use_gpu")),
+         "regenerate.on_max_tokens", "regenerate.batch_size", "regenerate.engine", "regenerate.url",
+         "regenerate.engine_kwargs", "regenerate.temperature", "data.chat_template_kwargs", "cluster.use_gpu")),
     "prepare": (
         "conversations -> parquet shards of token ids and loss masks",
         "Conversations (ShareGPT, OpenAI messages with tools and reasoning, or this project's rows; jsonl, json, "
@@ -368,7 +371,7 @@ def regenerate_command(cfg, args) -> int:
     from dflash_ray.config import compute_dtype, require
     from dflash_ray.data.prepare import template_kwargs
     from dflash_ray.runtime.cluster import ray_cluster
-    from dflash_ray.runtime.jobs.regenerate import regenerate
+    from dflash_ray.runtime.jobs.regenerate import engine_options, regenerate
 
     source, tokenizer = require(cfg, "data.input"), require(cfg, "data.tokenizer")
     target, output = require(cfg, "model.target_path"), require(cfg, "regenerate.output")
@@ -380,7 +383,8 @@ def regenerate_command(cfg, args) -> int:
         counts = regenerate(source, output, target_dir=target, tokenizer_dir=tokenizer, cluster=cluster,
                             max_new_tokens=cfg.regenerate.max_new_tokens, on_max_tokens=cfg.regenerate.on_max_tokens,
                             template_kwargs=template_kwargs(cfg), batch_size=cfg.regenerate.batch_size,
-                            dtype=compute_dtype(cfg), engine=cfg.regenerate.engine, log=log)
+                            dtype=compute_dtype(cfg), engine=cfg.regenerate.engine, log=log,
+                            **engine_options(cfg.regenerate))
     if args.json:
         print(json.dumps(counts, indent=2))
     return 0

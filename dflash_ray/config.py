@@ -65,7 +65,9 @@ def group(cls, doc: str = ""):
 FORMATS = ("auto", "sharegpt", "openai", "conversations")
 ON_BAD_ROW = ("fail", "skip")
 STRATEGIES = ("default", "stride", "sequential", "random", "diversity")   # data/interleave.py's orders
-ENGINES = ("batched", "continuous")   # regeneration's (model/generation.py Regenerator)
+# regeneration's: transformers in the job's own actors (model/generation.py Regenerator), any OpenAI-compatible
+# server (model/http_engine.py), vLLM or SGLang as Ray Data LLM stages (runtime/jobs/regenerate.py)
+ENGINES = ("batched", "continuous", "http", "vllm", "sglang")
 
 
 # ----------------------------------------------------------------------------- typed schema
@@ -302,7 +304,26 @@ class RegenerateConfig:
     engine: str = knob("batched", choices=ENGINES,
         doc='batched: generate() over batches of like-length prompts, each running to its longest row; '
             "continuous: transformers' continuous batching, a finished row's slot taken by the next prompt "
-            '(model/generation.py)')
+            "(both in the job's own target actors); http: an OpenAI-compatible server you run (regenerate.url); "
+            "vllm, sglang: the engine as a Ray Data LLM stage over the cluster's GPUs (pip install "
+            "dflash-ray[vllm] or [sglang])")
+    url: Optional[str] = knob(None, "http: the server's OpenAI-compatible base URL, e.g. http://host:8000/v1 (its "
+                                    "/completions answers the prompts)")
+    served_model: Optional[str] = knob(None, "http: the model name the server serves (null: the first of its /models)")
+    api_key_env: str = knob("OPENAI_API_KEY", "http: the environment variable that holds the server's API key, sent "
+                                              "as a bearer token (never in a config file or a log); unset: none sent")
+    concurrency: int = knob(8, "http: requests in flight per actor (vllm, sglang: one engine replica per GPU, or per "
+                              "tensor x pipeline parallel GPUs)", minimum=1)
+    max_retries: int = knob(5, "http: retries, with backoff, of a request the server answered 429 or 5xx or could "
+                               "not be reached at", minimum=0)
+    timeout_s: float = knob(600.0, "http: seconds one request may take", minimum=1.0)
+    temperature: float = knob(0.0, "0: greedy, the answer a drafter served at temperature 0 must predict; above 0: "
+                                   "sampled at this temperature (docs/data.md: the trade-off)", minimum=0.0)
+    top_p: float = knob(1.0, "sampling's nucleus: the smallest set of tokens whose probability reaches it "
+                             "(temperature > 0)", minimum=0.0)
+    seed: Optional[int] = knob(None, "seeds the sampled draws (temperature > 0; null: unseeded)")
+    engine_kwargs: Dict[str, Any] = knob(factory=dict, doc="vllm, sglang: the engine's own arguments "
+                                         "(tensor_parallel_size, max_model_len, gpu_memory_utilization, ...), passed through")
 
 
 @dataclass

@@ -52,12 +52,14 @@ def readme_commands() -> tuple[dict, dict]:
 
 def local(args: list[str], root: Path, model: str, template: str) -> list[str]:
     """The README's arguments on this machine: the tiny target for Qwen/Qwen3-8B, files under `root` for
-    /data, the CPU cluster, and the thinking mode of this run."""
+    /data, the CPU cluster and its engine, and the thinking mode of this run."""
     out = []
     for a in args:
         a = a.replace("Qwen/Qwen3-8B", model).replace("/data/", f"{root}/")
         if a.startswith("data.chat_template_kwargs="):
             a = template
+        if a in ("regenerate.engine=vllm", "regenerate.engine=sglang"):   # GPU engines; every engine keeps
+            a = "regenerate.engine=batched"                               # the same rules (test_regenerate_engines)
         out.append("cluster=local" if a.startswith("cluster=") else a)
     # the tiny target's answers are short: two blocks of 2 tokens; its context 256 holds every prompt and a
     # turn at the cap. fp32: on a processor that computes bf16 fast the run would choose bf16

@@ -266,8 +266,13 @@ def test_regenerate_command_names_what_is_missing_and_writes_the_output(world, r
                  f"regenerate.output={out}", "regenerate.on_max_tokens=cut"]) == 2
     assert "regenerate.on_max_tokens" in capsys.readouterr().err
     assert main(["regenerate", f"data.input={src}", f"data.tokenizer={tokdir}", f"model.target_path={target}",
-                 f"regenerate.output={out}", "regenerate.engine=vllm"]) == 2
-    assert "config key 'regenerate.engine': 'vllm' is not one of batched, continuous" in capsys.readouterr().err
+                 f"regenerate.output={out}", "regenerate.engine=tgi"]) == 2
+    assert "config key 'regenerate.engine': 'tgi' is not one of batched, continuous, http, vllm, sglang" in \
+        capsys.readouterr().err
+    assert main(["regenerate", f"data.input={src}", f"data.tokenizer={tokdir}", f"model.target_path={target}",
+                 f"regenerate.output={out}", "regenerate.engine=http"]) == 2     # a server to send to, named
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "config key 'regenerate.url' must be set for regenerate.engine=http" in err[0]
 
 
 def test_read_done_cuts_a_torn_last_line_and_keeps_whole_rows(tmp_path):

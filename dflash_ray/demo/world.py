@@ -399,7 +399,7 @@ def _train_demo_target(cfg, tok, target_path, log) -> None:
 def _regenerate_demo(cfg, layout: RunLayout, target_path, log) -> tuple[str, int | None]:
     """The demo corpus with the target's own answers (a Ray Data job on the connected cluster), and the
     tokens it generated (None: made by an earlier run)."""
-    from dflash_ray.runtime.jobs.regenerate import regenerate
+    from dflash_ray.runtime.jobs.regenerate import engine_options, regenerate
 
     out, done = layout.regenerated, layout.regenerated_done
     generated = None
@@ -408,7 +408,7 @@ def _regenerate_demo(cfg, layout: RunLayout, target_path, log) -> tuple[str, int
         counts = regenerate(str(cfg.data.input), str(out), target_dir=str(target_path), tokenizer_dir=str(cfg.data.tokenizer),
                    cluster=OmegaConf.to_object(cfg.cluster), max_new_tokens=r.max_new_tokens,
                    batch_size=r.batch_size, on_max_tokens=r.on_max_tokens, template_kwargs=template_kwargs(cfg),
-                   dtype=compute_dtype(cfg), engine=r.engine, log=log)
+                   dtype=compute_dtype(cfg), engine=r.engine, log=log, **engine_options(r))
         done.touch()
         generated = counts.get("generated tokens")
     return str(out), generated

@@ -37,8 +37,6 @@ import numpy as np
 import torch
 from transformers import StoppingCriteria
 
-from dflash_ray.config import ENGINES
-
 TRAINED_MARKER = "dflash_demo_training.json"
 
 
@@ -97,6 +95,7 @@ def train_causal_lm(model_dir: str, sequences: list[list[int]], *, steps: int, l
 
 
 ON_MAX_TOKENS = ("drop", "keep")
+LOCAL_ENGINES = ("batched", "continuous")   # the engines a Regenerator runs in its own process (transformers)
 PAGE_TOKENS = 64        # the continuous engine's KV-cache page (transformers' default 256 wastes memory on short turns)
 LOOP_MIN_SPAN = 32      # tokens a loop must fill before it stops a row: no sentence of real text repeats so
 LOOP_MAX_PERIOD = 64    # the longest repeated unit looked for (a sentence or two)
@@ -152,18 +151,125 @@ def declared_end_token_ids(tok, target_dir: str) -> list[int] | None:
     return end_token_ids(tok, SimpleNamespace(generation_config=config)) or None
 
 
+class TurnWalk:
+    """Conversations walked turn by turn by the module's rules, whatever generates the answers: `prompts()` gives
+    the prompt ids of every conversation waiting on a turn (one turn depth at a time), `answer(i, ...)` applies
+    what was generated for conversation i, `result()` is (regenerated conversations or None, counts by reason).
+    The engines of Regenerator and the jobs that batch turns over a cluster (runtime/jobs/regenerate.py) share it."""
+
+    def __init__(self, rendering, conversations: list, tools: list | None, *, max_context: int, on_max_tokens: str,
+                 end_texts: tuple):
+        self.rendering, self.max_context, self.on_max_tokens, self.end_texts = rendering, max_context, on_max_tokens, end_texts
+        self.counts = Counter()
+        self.tools = list(tools) if tools is not None else [None] * len(conversations)
+        self.out: list = [None] * len(conversations)
+        self.history: dict[int, list] = {}
+        self.pending: dict[int, list] = {}
+        self.waiting: dict[int, list[int]] = {}
+        self.texts: dict[int, str] = {}     # the waiting prompts as rendered text (what a server is sent)
+        for i, conv in enumerate(conversations):
+            if not _well_formed(conv):
+                self.counts["empty or malformed conversation"] += 1
+                continue
+            self.history[i], self.pending[i] = [], list(conv)
+
+    def finished(self) -> list[int]:
+        """The conversations finished so far (in order), whether kept (`out[i]`) or left without a turn (None)."""
+        return [i for i in range(len(self.out)) if i not in self.pending]
+
+    def prompts(self) -> dict[int, list[int]]:
+        """The prompt ids of the next turn of every conversation still waiting on one (conversations without a turn
+        left, or whose prompt cannot be rendered or is over the context, are finished here)."""
+        self.waiting, self.texts = {}, {}
+        for i in list(self.pending):
+            rest = self.pending[i]
+            turn = next((t for t, m in enumerate(rest) if m["role"] == "assistant"), None)
+            if turn is None:                                 # no assistant turn left: done
+                self._finish(i, self.history[i] + rest, early=False)
+                continue
+            self.history[i] += rest[:turn]
+            self.pending[i] = rest[turn + 1:]
+            try:
+                text, ids = self.rendering.prompt_ids(self.history[i], self.tools[i])
+            except Exception:                                # the template's own errors (jinja2)
+                self.counts["chat template failed"] += 1
+                self._finish(i, self.history[i], early=True)
+                continue
+            if len(ids) + 1 > self.max_context:
+                self.counts["prompt longer than the target's context"] += 1
+                self._finish(i, self.history[i], early=True)
+                continue
+            self.waiting[i], self.texts[i] = ids, text
+        return dict(self.waiting)
+
+    def answer(self, i: int, text: str, stopped: bool, capped_by: str) -> None:
+        """What was generated for conversation i's waiting turn: `text` (decoded from the ids before the end
+        token), `stopped` (at an end token), `capped_by` (when not stopped: 'max_new_tokens', 'the target's
+        context', 'a greedy loop'; or why the engine gave no answer, e.g. a server's error, counted as it says)."""
+        del self.waiting[i]
+        if capped_by == "a greedy loop":
+            self.counts["turns dropped: a greedy loop"] += 1
+            self._finish(i, self.history[i], early=True)
+            return
+        if capped_by.startswith("error:"):
+            self.counts[f"turns dropped: {capped_by[len('error:'):].strip()}"] += 1
+            self._finish(i, self.history[i], early=True)
+            return
+        if not stopped:
+            self.counts[f"hit {capped_by}"] += 1
+            if self.on_max_tokens == "drop":
+                self.counts[f"turns dropped: hit {capped_by}"] += 1
+                self._finish(i, self.history[i], early=True)
+                return
+        ends = self.end_texts if stopped else self.end_texts + ("",)
+        message = self.rendering.assistant_message(self.history[i], self.tools[i], text, ends)
+        if message is None:
+            self.counts["turns dropped: the chat template does not render them as generated"] += 1
+            self._finish(i, self.history[i], early=True)
+            return
+        self.history[i].append(message)
+        self.counts["regenerated turns"] += 1
+        if not stopped:
+            self.counts[f"turns kept without an end token: hit {capped_by}"] += 1
+        if self.rendering.calls_a_tool(text):
+            self.counts["stopped at the target's first tool call"] += 1
+            self._finish(i, self.history[i], early=True)
+        elif self.pending[i] and self.pending[i][0]["role"] == "tool":
+            self.counts["stopped before recorded tool results (the target called no tool)"] += 1
+            self._finish(i, self.history[i], early=True)
+
+    def _finish(self, i: int, messages: list, early: bool) -> None:
+        """Conversation i ends with `messages`; early: cut after its last kept assistant turn (the source's
+        assistant turns not reached are counted)."""
+        rest = self.pending.pop(i)
+        if early:
+            self.counts["assistant turns not reached (the conversation ended early)"] += sum(
+                m["role"] == "assistant" for m in rest)
+            last = max((k for k, m in enumerate(messages) if m["role"] == "assistant"), default=None)
+            messages = messages[:last + 1] if last is not None else []
+        if any(m["role"] == "assistant" for m in messages):
+            self.out[i] = messages
+        else:
+            self.counts["conversations left without an assistant turn"] += 1
+        del self.history[i]
+
+    def result(self) -> tuple[list, Counter]:
+        return self.out, self.counts
+
+
 class Regenerator:
-    """Regenerates conversations with a target (greedy, batched). Reused across batches of a job."""
+    """Regenerates conversations with a target (greedy by default, batched). Reused across batches of a job."""
 
     def __init__(self, target_dir: str, rendering, *, max_new_tokens: int, batch_size: int = 32,
                  on_max_tokens: str = "drop", device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-                 loop_min_span: int = LOOP_MIN_SPAN, loop_max_period: int = LOOP_MAX_PERIOD, engine: str = "batched"):
+                 loop_min_span: int = LOOP_MIN_SPAN, loop_max_period: int = LOOP_MAX_PERIOD, engine: str = "batched",
+                 sampling: dict | None = None):
         from dflash_ray.model.target import load_target
 
         if on_max_tokens not in ON_MAX_TOKENS:
             raise ValueError(f"on_max_tokens: {on_max_tokens!r} is not one of {', '.join(ON_MAX_TOKENS)}")
-        if engine not in ENGINES:
-            raise ValueError(f"engine: {engine!r} is not one of {', '.join(ENGINES)}")
+        if engine not in LOCAL_ENGINES:
+            raise ValueError(f"engine: {engine!r} is not one of {', '.join(LOCAL_ENGINES)}")
         # batched: generate() over batches of like-length prompts, each running to its longest row (a greedy
         # loop ends a row early); continuous: transformers' continuous batching (generate_batch), batch_size
         # rows in flight, a finished row's slot taken by the next prompt at once
@@ -178,95 +284,24 @@ class Regenerator:
         self.max_context = int(getattr(self.model.config, "max_position_embeddings", 1 << 30))
         self.ends = end_token_ids(self.tok, self.model)
         self.end_texts = tuple(self.tok.decode([t]) for t in self.ends)
+        self.sampling = sampling_options(sampling)
+        self.calls = 0   # generate calls so far: a sampled run seeds each with regenerate.seed + its number
 
     def __call__(self, conversations: list, tools: list | None = None) -> tuple[list, Counter]:
         """Regenerated conversations (None where none is left) and counts by reason. `tools`: each
         conversation's tool definitions (None: none)."""
-        counts = Counter()
-        tools = list(tools) if tools is not None else [None] * len(conversations)
-        out = [None] * len(conversations)
-        history: dict[int, list] = {}
-        pending: dict[int, list] = {}
-        prompts: dict[int, list[int]] = {}
-
-        def finish(i: int, messages: list, early: bool) -> None:
-            """Conversation i ends with `messages`; early: cut after its last kept assistant turn (the
-            source's assistant turns not reached are counted)."""
-            rest = pending.pop(i)
-            if early:
-                counts["assistant turns not reached (the conversation ended early)"] += sum(
-                    m["role"] == "assistant" for m in rest)
-                last = max((k for k, m in enumerate(messages) if m["role"] == "assistant"), default=None)
-                messages = messages[:last + 1] if last is not None else []
-            if any(m["role"] == "assistant" for m in messages):
-                out[i] = messages
-            else:
-                counts["conversations left without an assistant turn"] += 1
-            del history[i]
-
-        for i, conv in enumerate(conversations):
-            if not _well_formed(conv):
-                counts["empty or malformed conversation"] += 1
-                continue
-            history[i], pending[i] = [], list(conv)
-        while pending:
-            prompts.clear()
-            for i in list(pending):
-                rest = pending[i]
-                turn = next((t for t, m in enumerate(rest) if m["role"] == "assistant"), None)
-                if turn is None:                                 # no assistant turn left: done
-                    finish(i, history[i] + rest, early=False)
-                    continue
-                history[i] += rest[:turn]
-                pending[i] = rest[turn + 1:]
-                try:
-                    ids = self.rendering.prompt_ids(history[i], tools[i])[1]
-                except Exception:                                # the template's own errors (jinja2)
-                    counts["chat template failed"] += 1
-                    finish(i, history[i], early=True)
-                    continue
-                if len(ids) + 1 > self.max_context:
-                    counts["prompt longer than the target's context"] += 1
-                    finish(i, history[i], early=True)
-                    continue
-                prompts[i] = ids
+        walk = TurnWalk(self.rendering, conversations, tools, max_context=self.max_context,
+                        on_max_tokens=self.on_max_tokens, end_texts=self.end_texts)
+        while prompts := walk.prompts():
             order = sorted(prompts, key=lambda i: len(prompts[i]))
             step = self.batch_size if self.engine == "batched" else max(len(order), 1)   # continuous: all at once
             for a in range(0, len(order), step):
                 chunk = order[a:a + step]
                 results, generated = self._generate([prompts[i] for i in chunk])
-                counts["generated tokens"] += generated
+                walk.counts["generated tokens"] += generated
                 for i, (text, stopped, capped_by) in zip(chunk, results):
-                    self._add_turn(i, text, stopped, capped_by, history, pending, tools, counts, finish)
-        return out, counts
-
-    def _add_turn(self, i, text, stopped, capped_by, history, pending, tools, counts, finish) -> None:
-        if capped_by == "a greedy loop":
-            counts["turns dropped: a greedy loop"] += 1
-            finish(i, history[i], early=True)
-            return
-        if not stopped:
-            counts[f"hit {capped_by}"] += 1
-            if self.on_max_tokens == "drop":
-                counts[f"turns dropped: hit {capped_by}"] += 1
-                finish(i, history[i], early=True)
-                return
-        ends = self.end_texts if stopped else self.end_texts + ("",)
-        message = self.rendering.assistant_message(history[i], tools[i], text, ends)
-        if message is None:
-            counts["turns dropped: the chat template does not render them as generated"] += 1
-            finish(i, history[i], early=True)
-            return
-        history[i].append(message)
-        counts["regenerated turns"] += 1
-        if not stopped:
-            counts[f"turns kept without an end token: hit {capped_by}"] += 1
-        if self.rendering.calls_a_tool(text):
-            counts["stopped at the target's first tool call"] += 1
-            finish(i, history[i], early=True)
-        elif pending[i] and pending[i][0]["role"] == "tool":
-            counts["stopped before recorded tool results (the target called no tool)"] += 1
-            finish(i, history[i], early=True)
+                    walk.answer(i, text, stopped, capped_by)
+        return walk.result()
 
     @torch.inference_mode()
     def _generate(self, prompts: list[list[int]]) -> tuple[list[tuple[str, bool, str]], int]:
@@ -284,16 +319,24 @@ class Regenerator:
             attn[r, width - len(p):] = 1
         new = min(self.max_new_tokens, self.max_context - width)
         capped_by = "max_new_tokens" if new == self.max_new_tokens else "the target's context"
-        # a config of its own: greedy, whatever sampling the model's generation_config suggests
-        config = GenerationConfig(max_new_tokens=new, do_sample=False, eos_token_id=self.ends, pad_token_id=pad)
-        if self.engine == "continuous":
-            gen = self._generate_continuous(prompts, new, config)
-            firsts = [first_loop(row, *self.loops) if self.loops else None for row in gen]
-        else:
-            loops = LoopStop(width, len(prompts), *self.loops) if self.loops else None
-            gen = self.model.generate(ids.to(self.device), attention_mask=attn.to(self.device), generation_config=config,
-                                      stopping_criteria=StoppingCriteriaList([loops]) if loops else None)[:, width:].tolist()
-            firsts = loops.first if loops else [None] * len(gen)
+        # a config of its own: greedy (or regenerate.temperature's sampling), whatever the model's generation_config says
+        s = self.sampling
+        sample = dict(do_sample=True, temperature=s["temperature"], top_p=s["top_p"]) if s["temperature"] > 0 else \
+            dict(do_sample=False)
+        config = GenerationConfig(max_new_tokens=new, eos_token_id=self.ends, pad_token_id=pad, **sample)
+        self.calls += 1
+        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
+            if s["seed"] is not None:   # a sampled run's draws: the seed and this call's number
+                torch.manual_seed(s["seed"] + self.calls)
+            if self.engine == "continuous":
+                gen = self._generate_continuous(prompts, new, config)
+                firsts = [first_loop(row, *self.loops) if self.loops else None for row in gen]
+            else:
+                loops = LoopStop(width, len(prompts), *self.loops) if self.loops else None
+                gen = self.model.generate(ids.to(self.device), attention_mask=attn.to(self.device),
+                                          generation_config=config,
+                                          stopping_criteria=StoppingCriteriaList([loops]) if loops else None)[:, width:].tolist()
+                firsts = loops.first if loops else [None] * len(gen)
         ends, results, generated = set(self.ends), [], 0
         for r, row in enumerate(gen):
             stop = next((k for k, t in enumerate(row) if t in ends), None)
@@ -325,6 +368,14 @@ class Regenerator:
             if o.error:
                 raise RuntimeError(f"continuous batching failed on a prompt: {o.error}")
         return [list(o.generated_tokens) for o in by_order]
+
+
+def sampling_options(sampling: dict | None) -> dict:
+    """regenerate.temperature / top_p / seed as the engines take them: temperature 0 (the default) is greedy, the
+    answer a drafter served at temperature 0 must predict."""
+    s = dict(sampling or {})
+    return {"temperature": float(s.get("temperature") or 0.0), "top_p": float(s.get("top_p") or 1.0),
+            "seed": None if s.get("seed") is None else int(s["seed"])}
 
 
 def first_loop(row: list[int], min_span: int = LOOP_MIN_SPAN, max_period: int = LOOP_MAX_PERIOD) -> int | None:
