@@ -12,25 +12,12 @@ import json
 
 import numpy as np
 import pytest
-from helpers_data import make_tokenizer, write_jsonl
-from helpers_model import TINY_QWEN3
-from test_regenerate import CONVS, expected_regeneration
+from helpers_data import write_jsonl
+from test_regenerate import CONVS, expected_regeneration, world  # noqa: F401  (world: its fixture, the tiny target)
 
-from dflash_ray.model.target import build_synthetic_target
 from dflash_ray.runtime.jobs.regenerate import engine_answer, engine_processor_config, engine_sampling_params
-from dflash_ray.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.rounding
-
-
-@pytest.fixture(scope="module")
-def world(tmp_path_factory):
-    root = tmp_path_factory.mktemp("engines")
-    _, tokdir = make_tokenizer(root)
-    tok = load_tokenizer(str(tokdir))
-    target = build_synthetic_target({**TINY_QWEN3, "num_hidden_layers": 2, "max_position_embeddings": 128},
-                                    len(tok), str(root / "target"), seed=1)
-    return root, str(tokdir), target, tok
 
 
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])
