@@ -27,7 +27,6 @@ import sys
 
 sys.path = [p for p in sys.path if p not in ("", os.getcwd())]  # the installed copy, not the source beside it
 import importlib.metadata as md
-import re
 
 import dflash.model  # noqa: F401  (the reference's model code imports)
 import ray
@@ -36,7 +35,8 @@ import torch
 import dflash_ray
 from packaging.requirements import Requirement   # packaging comes with Ray
 
-(wanted,) = [Requirement(r) for r in md.requires("dflash-ray") if re.match(r"ray\b", r)]
+# the base requirement on ray (the extras' `ray[llm]` ones carry an `extra ==` marker)
+(wanted,) = [q for q in map(Requirement, md.requires("dflash-ray")) if q.name == "ray" and q.marker is None]
 assert wanted.specifier.contains(ray.__version__), f"ray {ray.__version__} is not one dflash-ray accepts ({wanted})"
 want_torch = os.environ["TORCH_SPEC"].partition("==")[2]
 assert not want_torch or torch.__version__.split("+")[0] == want_torch, f"torch {torch.__version__} != {want_torch}"
