@@ -62,7 +62,7 @@ def plain_row(p, run_spec, row):
     lengths = np.asarray(row["lengths"])
     ids, mask = p.store.batch(np.asarray(row["sample_ids"]), lengths, run_spec.pad_token_id)
     c0 = time.thread_time()
-    context, dtype = target_context(p.target, ids, lengths, "cpu")
+    context, dtype, _ = target_context(p.target, ids, lengths, "cpu")
     target_cpu = time.thread_time() - c0
     cols = token_row(row, 0, ids, mask, lengths)
     return TrainRow.from_batch({**cols, "context": context[None], "context_dtype": np.array([dtype])}), target_cpu

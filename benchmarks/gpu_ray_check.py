@@ -233,7 +233,7 @@ def bare_pieces(overrides: list[str], window: tuple[int, int], warmup: int) -> d
                 mask[r, :n] = mask_col[i].values.to_numpy()[:n]
             sync()
             t0 = time.perf_counter()
-            feats, dtype = target_context(extract, ids, lengths, device)   # its .cpu() waits for the GPU
+            feats, dtype, _ = target_context(extract, ids, lengths, device)   # its .cpu() waits for the GPU
             forward += time.perf_counter() - t0
             rows.append(TrainRow(index=k, gen=0, epoch=0, position=k, epoch_batches=plan.num_batches,
                                  bucket=int(plan.bucket[k]), num_tokens=int(lengths.sum()), input_ids=ids,

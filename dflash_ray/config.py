@@ -237,6 +237,14 @@ class TrainConfig:
             "fits of this many blocks, each resuming from the last one's checkpoint; 0: one stream")
     max_nonfinite_steps: int = knob(10, minimum=0, at_least='0: never stop',
         doc='stop after this many NaN/Inf steps in a row (skipped, counted; 0: never stop)')
+    oom_split: Optional[bool] = knob(None,
+        doc="a drafter batch that runs out of GPU memory is trained again in 2, 4, ... slices of its rows, at "
+            "the whole batch's anchors (the same update); under DDP the gradient all-reduce then runs after every "
+            "rank's backward instead of inside it. null: on for GPU workers (DDP or one worker), off on CPUs; "
+            "FSDP refuses it (its forward gathers weights: one rank's retry would leave the others waiting)")
+    max_skipped_batches: int = knob(3, minimum=0, at_least='0: never stop',
+        doc="stop after this many steps in a row whose batch did not fit even as single rows (skipped, "
+            "counted: ledger 'skipped': 'oom'; 0: never stop)")
     storage_path: Optional[str] = knob(None, 'Ray Train storage (null: <run.dir>/ray_train; shared on multi-node)')
     tensorboard: bool = knob(False, 'the older switch: the same as adding tensorboard to trackers')
     trackers: Optional[List[str]] = knob(None, 'any of tensorboard, mlflow, wandb (null/[]: metrics.jsonl only)')
@@ -649,6 +657,10 @@ def _check_rules(cfg: DictConfig) -> None:
         raise UserError("config key 'train.checkpoint_every_minutes': checkpoints are off (it and "
                         "train.checkpoint_every are both 0/null): set one of them (a restart would retrain "
                         "whole epochs)")
+    if t.oom_split and t.parallelism == "fsdp":
+        raise UserError("config key 'train.oom_split': true needs train.parallelism=ddp: FSDP gathers each layer's "
+                        "weights inside the forward, so one rank training a batch again in slices would leave the "
+                        "others waiting in a collective")
     chosen_trackers(t)  # unknown tracker names
     if t.wandb_mode is not None and t.wandb_mode not in ("online", "offline", "disabled"):
         raise UserError(f"config key 'train.wandb_mode': '{t.wandb_mode}' is not one of online, offline, disabled")

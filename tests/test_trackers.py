@@ -300,7 +300,7 @@ def test_dashboard_is_grafana_json_with_every_panel_on_the_prometheus_variable()
     wanted = {"ray_dflash_tokens_per_second", "ray_dflash_block_tokens_per_second", "ray_dflash_loss", "ray_dflash_heldout_tau", "ray_dflash_train_tau",
               "ray_dflash_bucket_batches_total", "ray_dflash_target_busy_seconds_total",
               "ray_dflash_target_idle_fraction", "ray_dflash_batches_in_flight", "ray_dflash_checkpoint_seconds",
-              "ray_dflash_failures_survived"}
+              "ray_dflash_failures_survived", "ray_dflash_oom_splits", "ray_dflash_skipped_oom"}
     assert wanted <= dashboard_metrics()
 
 

@@ -287,6 +287,14 @@ class DFlashDrafter(DraftCore, nn.Module):
         input_ids/loss_mask [B, S] right-padded, context [B, S, n*H], lengths [B]; soft_labels and
         hard_weight: distillation's labels (block_loss)."""
         anchors, valid = self.sample_anchors(loss_mask, lengths, generator)
+        return self.loss_at_anchors(input_ids, loss_mask, context, lengths, anchors, valid, soft_labels, hard_weight)
+
+    def loss_at_anchors(self, input_ids, loss_mask, context, lengths, anchors, valid, soft_labels=None,
+                        hard_weight: float = 0.0) -> LossOutput:
+        """`training_loss` at given anchors (sample_anchors' output). Every part of it is per row (attention
+        inside a row, the loss a sum over rows), so rows [i:j] of a batch with rows [i:j] of the batch's
+        anchors give that slice's share of the batch's sums: how a batch that does not fit is trained in
+        slices with the anchors drawn for the whole batch (runtime/training/step.py)."""
         # the mask hides padded context positions, but a masked key still adds 0 x value: zero them so a
         # NaN or inf in the padding cannot reach the loss
         padded = torch.arange(input_ids.shape[1], device=context.device)[None] >= lengths.to(context.device)[:, None]

@@ -276,4 +276,10 @@ def stopped_message(run_spec, why: dict) -> str:
                 f"{why['step']}) had a non-finite loss or gradient (loss {why.get('loss')}, grad norm "
                 f"{why.get('grad_norm')}), the limit set by train.max_nonfinite_steps={why['limit']}; their "
                 f"batches were skipped (no update); {resume_point(run_spec)}")
+    if why.get("reason") == "oom":
+        return (f"training stopped at step {why['step']}: {why['streak']} steps in a row (steps {why['first_step']}-"
+                f"{why['step']}) had a batch that did not fit in device memory even as single rows (buckets "
+                f"{why.get('buckets')}), the limit set by train.max_skipped_batches={why['limit']}; their batches "
+                f"were skipped (no update): lower model.max_block_tokens_per_batch or data.max_tokens_per_batch, "
+                f"or set train.recompute_layers=true; {resume_point(run_spec)}")
     return f"training stopped at step {why.get('step')}: {why}; {resume_point(run_spec)}"

@@ -247,6 +247,10 @@ def with_parallelism(spec: RunSpec, parallelism: str, log=print) -> RunSpec:
     if parallelism != spec.train.parallelism and parallelism == "fsdp":
         log("drafter parallelism: fsdp (train.parallelism=auto: the memory model's DDP step does not fit the "
             "drafter's GPU share)")
+    if parallelism == "fsdp" and spec.train.oom_split:   # auto chose fsdp (an explicit fsdp: config.py refuses)
+        log("train.oom_split: off under FSDP (its forward gathers weights: a batch cannot be trained again in "
+            "slices on one rank alone)")
+        spec = dataclasses.replace(spec, train=dataclasses.replace(spec.train, oom_split=False))
     if parallelism == "fsdp" and spec.train.heldout_every:
         log("train.heldout_every: no held-out tau during training with a sharded drafter (the one after training runs)")
     return dataclasses.replace(spec, train=dataclasses.replace(spec.train, parallelism=parallelism))

@@ -2,6 +2,9 @@
 
 * NaN features reach the trainers: the step is skipped and counted; K skipped steps in a row stop the run
   with one line, the last checkpoint intact; a rerun finishes and counts the skips in summary.json.
+* A drafter batch runs out of device memory (the allocator's exception type, raised on one rank inside its
+  backward): trained in slices, the run ends with the weights of a run without the fault and counts the
+  split; batches that do not fit even as single rows skip their steps, K in a row stop the run with one line.
 * A trainer worker is SIGKILLed while it writes a checkpoint, then the storage stops accepting checkpoints
   (two failures in a row, more than train.max_failures=1): one line naming train.max_failures and the
   storage, the previous complete checkpoint intact. A rerun meets a storage that fills up for real (a
@@ -132,6 +135,43 @@ def test_nonfinite_steps_are_skipped_counted_then_stop_the_run(train_run, tiny_p
     assert s["skipped_nonfinite"] == 3 and s["skipped_nonfinite_steps"] == [2, 5, 6]
     assert s["rolled_back_steps"] == 1
     assert_exact(run_dir, tiny_plan_batches, 8)
+
+
+# ----------------------------------------------------------------------------- out of device memory
+def test_a_batch_that_runs_out_of_memory_trains_in_slices_and_the_run_ends_the_same(train_run, tiny_plan_batches,
+                                                                                     monkeypatch):
+    """train.oom_split=true (on CPUs it must be asked for: their allocator does not raise). Rank 1 runs out
+    of memory inside its backward at steps 2 and 3 for any slice over one row: those batches train as single
+    rows while rank 0 waits for the step's one gradient all-reduce. The run's final weights are those of the
+    same run without the fault and with the split off (DDP's all-reduce inside the backward), up to float
+    summation order; summary.json and metrics.jsonl count the two splits. Then batches that fit no slice at
+    steps 2 and 3 (train.max_skipped_batches=2): both steps skipped, the second stops the run with one line."""
+    steps = ["train.max_steps=4", "train.checkpoint_every=2"]
+    _, plain = train_run("oom-plain", steps)
+    monkeypatch.setenv(TEST_FAULTS_ENV, json.dumps(
+        {"oom": {"steps": [2, 3], "rank": 1, "where": "backward", "max_rows": 1}}))
+    _, split = train_run("oom-split", [*steps, "train.oom_split=true"])
+    assert plain["oom_splits"] == 0 and split["oom_splits"] == 2 and split["oom_split_steps"] == [2, 3], split
+    assert split["skipped_oom"] == 0 and split["ledger"]["ok"]
+    metrics = read_jsonl(train_run.root / "oom-split" / "metrics.jsonl")
+    assert [m["oom_splits"] for m in metrics] == [0, 1, 1, 0]
+    w_plain = load_weights(latest_checkpoint(str(train_run.root / "oom-plain" / "ray_train" / "oom-plain"))[1])
+    w_split = load_weights(latest_checkpoint(str(train_run.root / "oom-split" / "ray_train" / "oom-split"))[1])
+    for k in w_plain:
+        torch.testing.assert_close(w_plain[k], w_split[k], rtol=1e-4, atol=1e-5)
+    assert_exact(train_run.root / "oom-split", tiny_plan_batches, 4)
+
+    monkeypatch.setenv(TEST_FAULTS_ENV, json.dumps(
+        {"oom": {"steps": [2, 3], "rank": 0, "where": "forward", "max_rows": 0}}))
+    with pytest.raises(UserError) as err:
+        train_run("oom-unfit", [*steps, "train.oom_split=true", "train.max_skipped_batches=2"])
+    msg = one_line(err.value)
+    print(msg)
+    assert msg.startswith("training stopped at step 3: 2 steps in a row (steps 2-3) had a batch that did not fit"), msg
+    assert "train.max_skipped_batches=2" in msg and "model.max_block_tokens_per_batch" in msg, msg
+    ledger = read_jsonl(train_run.root / "oom-unfit" / LEDGER)
+    assert [r["step"] for r in ledger if r.get("skipped") == "oom"] == [2, 3]
+    assert [r["positions"] for r in ledger] == expected_positions(tiny_plan_batches, 3)
 
 
 # ----------------------------------------------------------------------------- kills and storage

@@ -28,6 +28,10 @@ class Gauges:
         self.ckpt_upload_s = g("dflash_checkpoint_upload_seconds", "seconds rank 0's last checkpoint upload took")
         self.ckpt_bytes = g("dflash_checkpoint_bytes", "bytes of rank 0's files in the last checkpoint")
         self.failures_survived = g("dflash_failures_survived", "trainer group restarts + target actor restarts")
+        # train.oom_split: running counts of this run (a Counter would not exist until a first split)
+        self.oom_splits = g("dflash_oom_splits", "drafter batches trained in slices after running out of memory")
+        self.skipped_oom = g("dflash_skipped_oom", "steps skipped: a batch did not fit even as single rows")
+        self._oom = [0, 0]
         self.idle = g("dflash_target_idle_fraction", "idle share of a target actor's lifetime", ("run", "actor"))
         # a bucket is a category, not a magnitude: a count per bucket id, not a histogram over ids
         self.bucket_batches = Counter("dflash_bucket_batches", description="batches trained, by length bucket",
@@ -48,6 +52,10 @@ class Gauges:
             if b >= 0:   # -1: a filler batch, nothing trained
                 self.bucket_batches.inc(1, tags={"run": self.run_name, "bucket": str(b)})
         self.train_tau.set(float(metrics.get("train_tau") or 0.0), tags=tags)
+        self._oom[0] += int(metrics.get("oom_splits", 0))
+        self._oom[1] += int(metrics.get("skipped_oom", 0))
+        self.oom_splits.set(self._oom[0], tags=tags)
+        self.skipped_oom.set(self._oom[1], tags=tags)
 
     def heldout_tau(self, tau: float) -> None:
         self.tau.set(tau, tags=self.run)

@@ -188,14 +188,17 @@ class RunRecord:
     def target_batches(self, key: str, report: list, cache: dict | None = None) -> None:
         """A target actor's block: (busy seconds, tokens, bucket, feed index, feature bytes, read from the
         feature cache) per batch, and what its feature cache did for the block (feature_cache.py counts).
-        A batch read from the cache is no target forward: the target's rates count computed batches only."""
-        for busy_s, tokens, bucket, index, nbytes, cached in report:
+        A batch read from the cache is no target forward: the target's rates count computed batches only.
+        The last field: the slices its forward took (1; more when it ran out of device memory)."""
+        for busy_s, tokens, bucket, index, nbytes, cached, pieces in report:
             if cached:
                 c = self.feature_cache
                 c["read_tokens"] += int(tokens)
                 c["read_s"] += busy_s
             else:
                 self.target_batch(key, busy_s, tokens, bucket, index, nbytes)
+                if pieces > 1:
+                    self.targets[key]["oom_splits"] = self.targets[key].get("oom_splits", 0) + 1
         for k, v in (cache or {}).items():
             self.feature_cache[k] = self.feature_cache.get(k, 0) + v
 
@@ -332,7 +335,7 @@ class RunRecord:
 def _target_entry(pid, node) -> dict:
     now = time.time()
     return {"pid": pid, "node": node, "batches": 0, "tokens": 0, "busy_s": 0.0, "restarts": 0, "started": now,
-            "last": now}
+            "last": now, "oom_splits": 0}
 
 
 def last_metrics(run_dir) -> list[dict]:

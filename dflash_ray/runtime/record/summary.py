@@ -36,6 +36,7 @@ def build_summary(run_spec, plans, plan_summary: dict, report: dict, *, started:
     tokens_now = sum(int(m["tokens"]) for m in now)
     c = run_spec.cluster
     skipped = [int(r["step"]) for r in ledger if r.get("skipped") == "nonfinite"]
+    skipped_oom = [int(r["step"]) for r in ledger if r.get("skipped") == "oom"]
     finite_losses = [m["loss"] for m in metrics if isinstance(m.get("loss"), (int, float)) and math.isfinite(m["loss"])]
     return {
         "run": run_spec.name, "run_dir": run_spec.run_dir,
@@ -51,6 +52,11 @@ def build_summary(run_spec, plans, plan_summary: dict, report: dict, *, started:
         "end_to_end_tokens_per_second": tokens_now / wall_seconds if wall_seconds > 0 else 0.0,
         "final_loss": finite_losses[-1] if finite_losses else None,   # of the last step that trained
         "skipped_nonfinite": len(skipped), "skipped_nonfinite_steps": skipped[:100],
+        # train.oom_split: batches trained in slices after running out of device memory; steps skipped because
+        # a batch did not fit even as single rows
+        "oom_splits": sum(int(m.get("oom_splits", 0)) for m in metrics),
+        "oom_split_steps": [int(m["step"]) for m in metrics if m.get("oom_splits")][:100],
+        "skipped_oom": len(skipped_oom), "skipped_oom_steps": skipped_oom[:100],
         "final_train_tau": metrics[-1].get("train_tau") if metrics else None,
         "plan": {k: plan_summary.get(k) for k in ("batches", "tokens", "padding_efficiency", "strategy", "order")},
         "batches_per_step": run_spec.batches_per_step, "drafter_workers": c.drafter_workers,

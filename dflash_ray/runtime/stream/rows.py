@@ -27,6 +27,11 @@ FEED_COLUMNS = FEED_SCALARS + FEED_LISTS
 FILLER = -1   # `position` of a filler row: pads an epoch's last step to a full step, trains nothing
 
 
+def row_slices(num_rows: int, pieces: int) -> list[np.ndarray]:
+    """The row indices of a batch cut into `pieces` nearly equal slices (in order; none empty)."""
+    return [ix for ix in np.array_split(np.arange(num_rows), min(pieces, num_rows)) if ix.size]
+
+
 def token_row(scalars: dict, gen: int, input_ids: np.ndarray, loss_mask: np.ndarray,
               lengths: np.ndarray, sample_ids: np.ndarray | None = None) -> dict:
     """The join stage's output for one feed row: its scalars, the stream generation and the padded
@@ -127,6 +132,10 @@ class TrainRow:
     @property
     def is_filler(self) -> bool:
         return self.position == FILLER
+
+    @property
+    def num_rows(self) -> int:
+        return int(self.lengths.shape[0])
 
     @classmethod
     def from_batch(cls, batch: dict, i: int = 0) -> "TrainRow":

@@ -12,14 +12,40 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_ray.runtime.stream.rows import encode_features
+from dflash_ray.runtime.stream.rows import encode_features, row_slices
 
 
-def target_context(extract, input_ids: np.ndarray, lengths: np.ndarray, device) -> tuple[np.ndarray, str]:
+def in_row_slices(compute, input_ids: np.ndarray, lengths: np.ndarray, device):
+    """compute(ids, attn) -> a tensor or a tuple of tensors with a leading row axis, over the batch whole; when
+    the device runs out of memory, again over 2, 4, ... slices of its rows (down to single rows), the slices'
+    outputs concatenated: the same features (every row's forward is its own: causal attention over its own
+    tokens, its padding after it), up to float rounding (another batch shape). Returns (outputs, pieces)."""
+    import torch
+
+    rows, pieces = len(lengths), 1
+    while True:
+        try:
+            parts = [compute(*_ids_and_mask(input_ids[ix], lengths[ix], device)) for ix in row_slices(rows, pieces)]
+            break
+        except torch.OutOfMemoryError:
+            if pieces >= rows:
+                raise   # a single row does not fit: the actor fails, and Ray retries the block elsewhere
+        # out of the except block: the failed forward's activations are unreferenced now
+        if torch.device(device).type == "cuda":
+            torch.cuda.empty_cache()
+        pieces = min(2 * pieces, rows)
+    if pieces == 1:
+        return parts[0], 1
+    if isinstance(parts[0], tuple):
+        return tuple(torch.cat(p) for p in zip(*parts)), pieces
+    return torch.cat(parts), pieces
+
+
+def target_context(extract, input_ids: np.ndarray, lengths: np.ndarray, device) -> tuple[np.ndarray, str, int]:
     """The frozen target's tapped-layer features of one right-padded batch, encoded for a row
-    (rows.encode_features; its .cpu() waits for the GPU)."""
-    ids, attn = _ids_and_mask(input_ids, lengths, device)
-    return encode_features(extract(ids, attn))
+    (rows.encode_features; its .cpu() waits for the GPU), and the slices the forward took (in_row_slices)."""
+    feats, pieces = in_row_slices(extract, input_ids, lengths, device)
+    return (*encode_features(feats), pieces)
 
 
 def target_context_and_soft_labels(extract, input_ids: np.ndarray, lengths: np.ndarray, device):
@@ -27,9 +53,8 @@ def target_context_and_soft_labels(extract, input_ids: np.ndarray, lengths: np.n
     rows.encode_soft_labels), from the same forward."""
     from dflash_ray.runtime.stream.rows import encode_soft_labels
 
-    ids, attn = _ids_and_mask(input_ids, lengths, device)
-    feats, top_ids, top_probs = extract.features_and_top_k(ids, attn)
-    return (*encode_features(feats), encode_soft_labels(top_ids, top_probs))
+    (feats, top_ids, top_probs), pieces = in_row_slices(extract.features_and_top_k, input_ids, lengths, device)
+    return (*encode_features(feats), encode_soft_labels(top_ids, top_probs), pieces)
 
 
 class TargetForward:
@@ -107,7 +132,7 @@ class TargetForward:
         contexts, dtypes, softs, report = [], [], [], []
         before = self._cache_counts()
         for i in range(len(batch["position"])):
-            t0 = time.perf_counter()
+            t0, pieces = time.perf_counter(), 1
             ids, lengths, samples = batch["input_ids"][i], batch["lengths"][i], batch["sample_ids"][i]
             cached = None
             if int(batch["position"][i]) < 0:  # a filler: zeros of the right shape, no forward
@@ -124,12 +149,13 @@ class TargetForward:
                 (feats, soft), dtype = cached, self.feature_dtype
             else:
                 soft = None
-                if self._load["stages"] > 1:
+                if self._load["stages"] > 1:   # the stages run in lockstep: no slices of one stage alone
                     feats, dtype = self.replica_context(ids, lengths)
                 elif self.top_k:
-                    feats, dtype, soft = target_context_and_soft_labels(self.extract, ids, lengths, self.device)
+                    feats, dtype, soft, pieces = target_context_and_soft_labels(self.extract, ids, lengths,
+                                                                                self.device)
                 else:
-                    feats, dtype = target_context(self.extract, ids, lengths, self.device)
+                    feats, dtype, pieces = target_context(self.extract, ids, lengths, self.device)
                 if self.cache is not None:
                     self.cache.write_batch(samples, lengths, feats)
                 if self.soft_cache is not None:
@@ -138,7 +164,7 @@ class TargetForward:
             dtypes.append(dtype)
             softs.append(soft)
             report.append((time.perf_counter() - t0, int(batch["num_tokens"][i]), int(batch["bucket"][i]),
-                           int(batch["index"][i]), int(feats.nbytes), cached is not None))
+                           int(batch["index"][i]), int(feats.nbytes), cached is not None, pieces))
         after = self._cache_counts()
         self.record.target_batches.remote(self.key, report,
                                           None if after is None else {k: v - before[k] for k, v in after.items()})

@@ -19,6 +19,11 @@ def faults_for_tests() -> dict:
                         stops for t seconds inside the checkpoint of step s, after drafter.safetensors is
                         written ("write") or after its files are in storage, before the checkpoint is
                         registered ("upload"), having logged a `test_fault` event (with its pid) first
+      oom               {"steps": [s, ...], "rank": r | null (every rank), "where": "forward" | "backward",
+                        "micro_batch": a | null (any), "max_rows": n}: torch.OutOfMemoryError, the allocator's
+                        own exception type, in the drafter's step for any slice of more than n rows (0: even
+                        single rows), after the forward (its activations exist) or inside the backward (after
+                        part of the gradient was added): OomFault
     """
     raw = os.environ.get(TEST_FAULTS_ENV)
     return json.loads(raw) if raw else {}
@@ -67,3 +72,47 @@ def pause_point(where: str) -> None:
     pause = _ARMED.pop(where, None)
     if pause is not None:
         pause()
+
+
+class OomFault:
+    """Raises torch.OutOfMemoryError where an allocator would, for the step it was made for (`oom_fault`):
+    a CPU cannot be made to run out of device memory, so the tests inject the real exception type at the
+    two points a GPU runs out, and count what they raised."""
+
+    def __init__(self, spec: dict):
+        self.where = spec.get("where", "forward")
+        self.micro_batch = spec.get("micro_batch")
+        self.max_rows = int(spec.get("max_rows", 1))
+        self.raised = 0
+
+    def _hits(self, a: int, rows: int) -> bool:
+        return (self.micro_batch is None or a == self.micro_batch) and rows > self.max_rows
+
+    def _error(self, a: int, rows: int):
+        import torch
+
+        self.raised += 1
+        return torch.OutOfMemoryError(f"test fault: out of memory ({self.where}, micro-batch {a}, {rows} rows)")
+
+    def after_forward(self, a: int, rows: int) -> None:
+        if self.where == "forward" and self._hits(a, rows):
+            raise self._error(a, rows)
+
+    def in_backward(self, a: int, rows: int, drafter):
+        """A hook that raises inside the backward once the first trainable parameter's gradient is computed
+        (the layers after it have added theirs by then); its handle, or None."""
+        if self.where != "backward" or not self._hits(a, rows):
+            return None
+
+        def hook(grad):
+            raise self._error(a, rows)
+
+        return drafter.trainable_parameters()[0].register_hook(hook)
+
+
+def oom_fault(faults: dict, step: int, rank: int) -> OomFault | None:
+    """The out-of-memory fault of this step and rank, or None (every real run)."""
+    spec = faults.get("oom") or {}
+    if step not in spec.get("steps", ()) or spec.get("rank") not in (None, rank):
+        return None
+    return OomFault(spec)

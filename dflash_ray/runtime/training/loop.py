@@ -25,7 +25,7 @@ from dflash_ray.runtime.stream.feed import Cursor, cursor_after, rank_rows
 from dflash_ray.runtime.stream.rows import TrainRow, train_rows
 from dflash_ray.model.drafter import compiled_graphs
 from dflash_ray.runtime.training.model import build_model
-from dflash_ray.runtime.training.step import train_step
+from dflash_ray.runtime.training.step import split_oom_batches, train_step
 
 
 class Prefetcher:
@@ -98,7 +98,7 @@ def train_loop_per_worker(config: dict) -> None:
 
     from dflash_ray.runtime.training.record_client import RecordClient
     from dflash_ray.runtime.training.checkpoint import CheckpointManager, remove_orphaned_local_checkpoints
-    from dflash_ray.runtime.training.faults import poisoned
+    from dflash_ray.runtime.training.faults import oom_fault, poisoned
 
     spec, faults = config["spec"], config.get("test_faults") or {}
     ctx = ray.train.get_context()
@@ -132,6 +132,9 @@ def train_loop_per_worker(config: dict) -> None:
         else contextlib.nullcontext
     all_reduce = dist.all_reduce if world > 1 else None
     max_nonfinite = spec.train.max_nonfinite_steps   # 0: skip and count, never stop
+    max_skipped = spec.train.max_skipped_batches     # batches that do not fit as single rows, in a row
+    split_on_oom = split_oom_batches(spec.train.oom_split, device, drafter)
+    oom_streak = 0
     compiled = device.type == "cuda" and spec.train.compile   # as build_model decides
     steps = feed["total_steps"] - cursor.step
     t_step = time.perf_counter()
@@ -142,13 +145,22 @@ def train_loop_per_worker(config: dict) -> None:
         t_compute, cpu_compute = time.perf_counter(), time.thread_time()
         result = train_step(model, drafter, opt, sched, rows, rank=rank, workers=world, batches_per_step=per_step,
                             seed=spec.seed, grad_clip=spec.train.grad_clip, device=device, autocast=autocast,
-                            all_reduce=all_reduce)
+                            all_reduce=all_reduce, split_on_oom=split_on_oom,
+                            fault=oom_fault(faults, cursor.step + 1, rank))   # test-only fault, else None
         now, cpu_now = time.perf_counter(), time.thread_time()
         step, consumed = cursor.step + 1, (s + 1) * per_step
         cursor = cursor_after(result.epoch, result.positions, rows[0].epoch_batches, step)
         # the same on every rank (train_step decides from all-reduced values): they stop together
         nonfinite_streak = nonfinite_streak + 1 if result.skipped_nonfinite else 0
-        stop = bool(max_nonfinite) and nonfinite_streak >= max_nonfinite
+        oom_streak = oom_streak + 1 if result.skipped_oom else 0
+        stop_nonfinite = bool(max_nonfinite) and nonfinite_streak >= max_nonfinite
+        stop_oom = bool(max_skipped) and oom_streak >= max_skipped
+        stop = stop_nonfinite or stop_oom
+        if rank == 0 and (result.oom_splits or result.skipped_oom):
+            print(f"step {step}: " + (f"a batch did not fit even as single rows: skipped, no update ({oom_streak} "
+                                      f"in a row; train.max_skipped_batches={max_skipped})" if result.skipped_oom
+                                      else f"{result.oom_splits} batch(es) ran out of device memory and were "
+                                           "trained in slices of their rows (train.oom_split)"), flush=True)
         due = not stop and checkpoints.due(step, last_step=s == steps - 1, end_of_epoch=cursor.position == 0)
         # compute_cpu_seconds: this thread's CPU in the step (one intra-op thread on a CPU worker): what the
         # model costs here, under DDP and the machine's load (benchmarks/bench_load.py)
@@ -159,15 +171,20 @@ def train_loop_per_worker(config: dict) -> None:
         if device.type == "cuda":   # against the memory model (sizing/memory.py)
             timings["device_peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         record.step(s, step, result, timings=timings, epoch_batches=rows[0].epoch_batches,
-                    nonfinite_streak=nonfinite_streak, consumed=consumed, drafter=drafter,
+                    nonfinite_streak=nonfinite_streak, oom_streak=oom_streak, consumed=consumed, drafter=drafter,
                     checkpoint_next=due or stop)
         t_step = now
         if stop:
             # no checkpoint: the last one holds the weights of the last good step (skipped steps change
             # none), and a rerun retries these batches from there
-            record.stop(consumed, {"reason": "nonfinite", "step": step, "streak": nonfinite_streak,
-                                   "first_step": step - nonfinite_streak + 1, "limit": max_nonfinite,
-                                   "loss": result.loss, "grad_norm": result.grad_norm})
+            if stop_oom:
+                record.stop(consumed, {"reason": "oom", "step": step, "streak": oom_streak,
+                                       "first_step": step - oom_streak + 1, "limit": max_skipped,
+                                       "buckets": [b for b in result.buckets if b >= 0]})
+            else:
+                record.stop(consumed, {"reason": "nonfinite", "step": step, "streak": nonfinite_streak,
+                                       "first_step": step - nonfinite_streak + 1, "limit": max_nonfinite,
+                                       "loss": result.loss, "grad_norm": result.grad_norm})
             return
         if due:
             checkpoints.save(step, cursor, drafter=drafter, optimizer=opt, scheduler=sched, loss=result.loss,

@@ -32,9 +32,15 @@ class LossModule(nn.Module):
         # the frozen target embedding/head are buffers: never broadcast them
         self._ddp_params_and_buffers_to_ignore = ["drafter.embed_weight", "drafter.lm_head_weight"]
 
-    def forward(self, input_ids, loss_mask, context, lengths, generator, soft_labels=None):
-        out = self.drafter.training_loss(input_ids, loss_mask, context, lengths, generator, soft_labels,
-                                         self.hard_weight)
+    def forward(self, input_ids, loss_mask, context, lengths, generator, soft_labels=None, anchors=None):
+        """anchors: (anchors, valid) drawn for a whole batch of which these rows are a slice; None: drawn
+        here from `generator`."""
+        if anchors is None:
+            out = self.drafter.training_loss(input_ids, loss_mask, context, lengths, generator, soft_labels,
+                                             self.hard_weight)
+        else:
+            out = self.drafter.loss_at_anchors(input_ids, loss_mask, context, lengths, *anchors, soft_labels,
+                                               self.hard_weight)
         return out.loss_sum, out.weight_sum, out.slot_correct, out.slot_count, out.prefix_correct, out.num_blocks
 
 

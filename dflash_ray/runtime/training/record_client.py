@@ -27,12 +27,15 @@ def ledger_line(result, step: int) -> dict:
     """The ledger line of a committed step (a skipped one is marked: its batches trained nothing)."""
     line = {"epoch": result.epoch, "step": step, "positions": result.positions, "buckets": result.buckets,
             "tokens": result.batch_tokens}
-    if result.skipped_nonfinite:
+    if result.skipped_oom:   # a batch did not fit even as single rows (step.py)
+        line["skipped"] = "oom"
+    elif result.skipped_nonfinite:
         line["skipped"] = "nonfinite"
     return line
 
 
-def metrics_line(result, step: int, *, timings: dict, feed: dict, epoch_batches: int, nonfinite_streak: int) -> dict:
+def metrics_line(result, step: int, *, timings: dict, feed: dict, epoch_batches: int, nonfinite_streak: int,
+                 oom_streak: int = 0) -> dict:
     """The metrics line of a step: the step's result, its timings (step, wait, compute seconds and the
     compute thread's CPU), where it is in the epoch and the run."""
     real = [p for p in result.positions if p >= 0]
@@ -44,7 +47,8 @@ def metrics_line(result, step: int, *, timings: dict, feed: dict, epoch_batches:
             "epoch_progress": (max(real) + 1) / epoch_batches if real else 1.0,
             "total_steps": feed["total_steps"], "schedule_steps": feed["schedule_steps"],
             "batches_per_step": feed["batches_per_step"], "skipped_nonfinite": int(result.skipped_nonfinite),
-            "nonfinite_streak": nonfinite_streak, "time": time.time()}
+            "nonfinite_streak": nonfinite_streak, "oom_splits": result.oom_splits,
+            "skipped_oom": int(result.skipped_oom), "oom_streak": oom_streak, "time": time.time()}
 
 
 class RecordClient:
@@ -81,7 +85,7 @@ class RecordClient:
             ray.get(self.record.begin_attempt.remote(step, world_size, a["attempt"], a["restarted"]))
 
     def step(self, s: int, step: int, result, *, timings: dict, epoch_batches: int, nonfinite_streak: int,
-             consumed: int, drafter, checkpoint_next: bool) -> None:
+             consumed: int, drafter, checkpoint_next: bool, oom_streak: int = 0) -> None:
         """Step s of this attempt (`step` of the run) is done: rank 0 keeps its lines, starts a held-out
         evaluation when one is due, and sends what it has when due (not when a checkpoint follows: that
         sends and waits)."""
@@ -89,7 +93,7 @@ class RecordClient:
             return
         self.unsent.append((ledger_line(result, step),
                             metrics_line(result, step, timings=timings, feed=self.feed, epoch_batches=epoch_batches,
-                                         nonfinite_streak=nonfinite_streak)))
+                                         nonfinite_streak=nonfinite_streak, oom_streak=oom_streak)))
         every = self.spec.train.heldout_every
         if self.spec.heldout and every and step % every == 0:
             self.evaluate(step, drafter)

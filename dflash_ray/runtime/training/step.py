@@ -16,6 +16,18 @@ A step whose loss or gradient is not finite (NaN or Inf) makes no update: the op
 `skipped_nonfinite`. Every rank takes the same decision without another collective: the loss comes from
 the all-reduced stats vector (a NaN or Inf on any rank makes the sum non-finite), the gradient norm from
 the gradients DDP has just all-reduced (the same values on every rank).
+
+A micro-batch that runs out of device memory (`split_on_oom`, train.oom_split) is trained again as 2, 4, ...
+slices of its rows, down to single rows, at the anchors drawn for the whole batch (one generator a batch, the
+quotas over the whole batch: model/drafter.py `loss_at_anchors`), so the step's sums, and its update, are
+the whole batch's up to float summation order. A failed backward may have added part of its gradient: the
+rank's gradients are zeroed and its micro-batches of the step trained again (those that fitted, whole).
+Under DDP every rank must take the same path, and DDP's all-reduce runs inside the last backward, where an
+OOM on one rank would leave the others waiting in a collective: with the split on, every micro-batch runs
+under no_sync and the gradients are all-reduced once after the stats (`all_reduce` of each gradient), when
+every rank has finished its backward. A batch that does not fit even as single rows makes the step make no
+update, on every rank (the all-reduced stats say so): `skipped_oom`, counted like a non-finite step. FSDP
+gathers weights inside the forward (a collective per layer): the split is refused there (config.py).
 """
 from __future__ import annotations
 
@@ -28,7 +40,7 @@ import numpy as np
 import torch
 
 from dflash_ray.model.loss import expected_acceptance_length
-from dflash_ray.runtime.stream.rows import FILLER, TrainRow
+from dflash_ray.runtime.stream.rows import FILLER, TrainRow, row_slices
 from dflash_ray.runtime.training.sharding import full_value, is_sharded, micro_step
 
 
@@ -53,6 +65,8 @@ class StepStats:
     batch_bucket: np.ndarray   # [W] (FILLER for a filler)
     batch_tokens: np.ndarray   # [W] real tokens (0 for a filler)
     batch_epoch: np.ndarray    # [W]
+    oom_splits: float = 0.0    # micro-batches trained in slices after running out of memory
+    oom_unfit: float = 0.0     # micro-batches that did not fit even as single rows (the step makes no update)
 
     @classmethod
     def zeros(cls, block_size: int, batches_per_step: int) -> "StepStats":
@@ -66,19 +80,21 @@ class StepStats:
         # adds nothing to the sum over ranks
         per_batch = np.stack([self.batch_position + 1, self.batch_bucket + 1, self.batch_tokens,
                               self.batch_epoch + 1], axis=1)
-        return torch.from_numpy(np.concatenate([[self.loss_sum, self.weight_sum, self.tokens, self.num_blocks],
+        return torch.from_numpy(np.concatenate([[self.loss_sum, self.weight_sum, self.tokens, self.num_blocks,
+                                                 self.oom_splits, self.oom_unfit],
                                                 self.slot_correct, self.slot_count, self.prefix_correct,
                                                 per_batch.reshape(-1)]).astype(np.float64))
 
     @classmethod
     def unpack(cls, vector: torch.Tensor, block_size: int, batches_per_step: int) -> "StepStats":
         v = vector.detach().cpu().numpy().astype(np.float64)
-        slots = block_size - 1
-        head = 4 + 3 * slots
+        slots, h = block_size - 1, 6
+        head = h + 3 * slots
         per_batch = v[head:].reshape(batches_per_step, 4).round().astype(np.int64)
-        return cls(float(v[0]), float(v[1]), float(v[2]), v[4:4 + slots], v[4 + slots:4 + 2 * slots],
-                   v[4 + 2 * slots:head], float(v[3]),
-                   per_batch[:, 0] - 1, per_batch[:, 1] - 1, per_batch[:, 2], per_batch[:, 3] - 1)
+        return cls(float(v[0]), float(v[1]), float(v[2]), v[h:h + slots], v[h + slots:h + 2 * slots],
+                   v[h + 2 * slots:head], float(v[3]),
+                   per_batch[:, 0] - 1, per_batch[:, 1] - 1, per_batch[:, 2], per_batch[:, 3] - 1,
+                   float(v[4]), float(v[5]))
 
 
 @dataclass
@@ -99,6 +115,8 @@ class StepResult:
     buckets: list
     batch_tokens: list
     skipped_nonfinite: bool = False  # loss or gradient NaN/Inf: no update (same decision on every rank)
+    oom_splits: int = 0         # micro-batches of the step trained in slices after running out of memory
+    skipped_oom: bool = False   # a micro-batch did not fit even as single rows: no update (every rank)
 
 
 def _zero_backward(model) -> None:
@@ -111,46 +129,130 @@ def _zero_backward(model) -> None:
     torch.stack([p.reshape(-1)[:0].sum() for p in params]).sum().backward()
 
 
+def split_oom_batches(setting, device, drafter) -> bool:
+    """train.oom_split resolved for a worker: null -> on for a GPU worker (a CPU's allocator does not raise:
+    the system kills the process); never under FSDP (config.py refuses an explicit true there)."""
+    if is_sharded(drafter):
+        return False
+    return bool(setting) if setting is not None else device.type == "cuda"
+
+
+def _slice_inputs(ids, mask, context, lengths, soft, anchors, valid, ix: np.ndarray):
+    """Rows `ix` of a batch's inputs and of its anchors, cut to the slice's own longest row and most anchors
+    (the rows are right-padded and valid anchors come first: nothing the slice's rows use is cut)."""
+    idx = torch.as_tensor(ix, device=ids.device)
+    width = max(int(lengths[idx].max()), 2)
+    n = max(int(valid[idx].sum(1).max()), 1)
+    sl = (lambda t: t.index_select(0, idx)[:, :width])
+    soft = None if soft is None else tuple(sl(t) for t in soft)
+    return (sl(ids), sl(mask), sl(context), lengths.index_select(0, idx), soft,
+            (anchors.index_select(0, idx)[:, :n], valid.index_select(0, idx)[:, :n]))
+
+
+def _train_micro_batch(model, drafter, row: TrainRow, *, pieces: int, a: int, last: bool, deferred: bool,
+                       workers: int, seed: int, device, autocast, stats: StepStats, fault) -> None:
+    """Forward and backward of one micro-batch, whole (pieces=1) or in `pieces` slices of its rows at the
+    whole batch's anchors; its sums added to `stats`. May raise torch.OutOfMemoryError (caller retries)."""
+    ids, mask, context, lengths = row.tensors(device)
+    soft = row.soft_label_tensors(device)   # train.loss=distill; None otherwise
+    generator = torch.Generator().manual_seed(batch_seed(seed, row.epoch, max(row.position, 0)))
+    if pieces == 1:
+        parts = [(ids, mask, context, lengths, soft, None, row.num_rows)]
+    else:   # the anchors as the whole batch draws them (its first use of the generator, as in training_loss)
+        anchors, valid = drafter.sample_anchors(mask, lengths, generator)
+        parts = [(*_slice_inputs(ids, mask, context, lengths, soft, anchors, valid, ix), ix.size)
+                 for ix in row_slices(row.num_rows, pieces)]
+    scale = 1.0 if deferred else float(workers)   # DDP's averaging divides the factor away; ours sums
+    for k, (p_ids, p_mask, p_ctx, p_len, p_soft, p_anchors, n_rows) in enumerate(parts):
+        # DDP's all-reduce in the step's last backward only; deferred: in none (train_step all-reduces)
+        with micro_step(model, last=last and k == len(parts) - 1 and not deferred):
+            with autocast():
+                loss_sum, weight_sum, correct, count, prefix, blocks = model(p_ids, p_mask, p_ctx, p_len, generator,
+                                                                            p_soft, p_anchors)
+            if row.is_filler:
+                if is_sharded(drafter):   # FSDP's reduce-scatter fires from the forward's graph: through it
+                    (loss_sum * 0.0).backward()
+                else:
+                    _zero_backward(model)
+                return
+            hook = None
+            if fault is not None:   # tests only: the allocator's error at a chosen point
+                fault.after_forward(a, n_rows)
+                hook = fault.in_backward(a, n_rows, drafter)
+            try:
+                (loss_sum * scale).backward()
+            finally:
+                if hook is not None:
+                    hook.remove()
+        stats.loss_sum += float(loss_sum.detach())
+        stats.weight_sum += float(weight_sum)
+        stats.slot_correct += correct.double().cpu().numpy()
+        stats.slot_count += count.double().cpu().numpy()
+        stats.prefix_correct += prefix.double().cpu().numpy()
+        stats.num_blocks += float(blocks)
+    stats.tokens += row.num_tokens
+
+
+def _free_device_memory(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+
+
 def train_step(model, drafter, optimizer, scheduler, rows: list[TrainRow], *, rank: int, workers: int,
                batches_per_step: int, seed: int, grad_clip: float, device,
-               autocast=contextlib.nullcontext, all_reduce=None) -> StepResult:
+               autocast=contextlib.nullcontext, all_reduce=None, split_on_oom: bool = False,
+               fault=None) -> StepResult:
     """Forward/backward of this rank's micro-batches `rows`, one all-reduce of the step's stats
     (`all_reduce(tensor)`, in place, sum; None in a single process), then one optimizer update.
 
     `model` is what the forward runs through (DDP over a LossModule, or the LossModule itself);
     `drafter` owns the trainable parameters. A filler row trains nothing: it is skipped, except as the
     last micro-batch, where it runs forward (which arms DDP's reducer) and a backward of an exact zero
-    (`_zero_backward`), so DDP's collective happens and the filler adds nothing, NaN included."""
+    (`_zero_backward`), so DDP's collective happens and the filler adds nothing, NaN included.
+    `split_on_oom`: a micro-batch that runs out of memory is trained again in slices (module docstring);
+    `fault`: tests' injected out-of-memory errors (faults.OomFault)."""
     block_size = drafter.block_size
-    stats = StepStats.zeros(block_size, batches_per_step)
+    deferred = split_on_oom and all_reduce is not None and not is_sharded(drafter)
     last = len(rows) - 1
-    for a, row in enumerate(rows):
-        j = a * workers + rank
-        stats.batch_epoch[j] = row.epoch
-        if row.is_filler and a != last:
-            continue  # nothing to train, and no collective happens in a no_sync micro-step
-        sync = micro_step(model, last=a == last)
-        ids, mask, context, lengths = row.tensors(device)
-        soft = row.soft_label_tensors(device)   # train.loss=distill; None otherwise
-        generator = torch.Generator().manual_seed(batch_seed(seed, row.epoch, max(row.position, 0)))
-        with sync:
-            with autocast():
-                loss_sum, weight_sum, correct, count, prefix, blocks = model(ids, mask, context, lengths, generator, soft)
-            if row.is_filler:
-                if is_sharded(drafter):   # FSDP's reduce-scatter fires from the forward's graph: through it
-                    (loss_sum * 0.0).backward()
-                else:
-                    _zero_backward(model)
-                continue
-            (loss_sum * float(workers)).backward()
-        stats.loss_sum += float(loss_sum.detach())
-        stats.weight_sum += float(weight_sum)
-        stats.tokens += row.num_tokens
-        stats.slot_correct += correct.double().cpu().numpy()
-        stats.slot_count += count.double().cpu().numpy()
-        stats.prefix_correct += prefix.double().cpu().numpy()
-        stats.num_blocks += float(blocks)
-        stats.batch_position[j], stats.batch_bucket[j], stats.batch_tokens[j] = row.position, row.bucket, row.num_tokens
+    pieces = [1] * len(rows)
+    while True:
+        stats = StepStats.zeros(block_size, batches_per_step)
+        failed = None
+        for a, row in enumerate(rows):
+            j = a * workers + rank
+            stats.batch_epoch[j] = row.epoch
+            if row.is_filler and (a != last or deferred):
+                continue  # nothing to train, and no collective happens in a no_sync micro-step
+            try:
+                _train_micro_batch(model, drafter, row, pieces=pieces[a], a=a, last=a == last, deferred=deferred,
+                                   workers=workers, seed=seed, device=device, autocast=autocast, stats=stats,
+                                   fault=fault)
+            except torch.OutOfMemoryError:
+                if not split_on_oom:
+                    raise
+                failed = a
+                break
+            if not row.is_filler:
+                stats.batch_position[j], stats.batch_bucket[j], stats.batch_tokens[j] = \
+                    row.position, row.bucket, row.num_tokens
+        if failed is None:
+            break
+        # out of the except block: the failed graph and its activations are unreferenced now
+        optimizer.zero_grad(set_to_none=True)   # a failed backward may have added part of a gradient
+        _free_device_memory(device)
+        if pieces[failed] >= rows[failed].num_rows:   # single rows do not fit: this rank trains nothing more
+            stats = StepStats.zeros(block_size, batches_per_step)
+            stats.batch_epoch[:] = FILLER
+            for a, row in enumerate(rows):
+                j = a * workers + rank
+                stats.batch_epoch[j] = row.epoch
+                if not row.is_filler:
+                    stats.batch_position[j], stats.batch_bucket[j], stats.batch_tokens[j] = \
+                        row.position, row.bucket, row.num_tokens
+            stats.oom_unfit = 1.0
+            break
+        pieces[failed] = min(2 * pieces[failed], rows[failed].num_rows)
+    stats.oom_splits = float(sum(p > 1 for p in pieces))
 
     vector = stats.pack().to(device)  # on the model's device: NCCL reduces CUDA tensors only
     if all_reduce is not None:
@@ -158,7 +260,15 @@ def train_step(model, drafter, optimizer, scheduler, rows: list[TrainRow], *, ra
     total = StepStats.unpack(vector, block_size, batches_per_step)
 
     params = drafter.trainable_parameters()
-    if total.weight_sum > 0:
+    skipped_oom = total.oom_unfit > 0
+    if skipped_oom:   # every rank sees the same sum: none all-reduces its gradients, none updates
+        optimizer.zero_grad(set_to_none=True)
+    elif deferred:   # every rank's backward is done: the one gradient all-reduce of the step (sum)
+        for p in params:
+            if p.grad is None:   # a rank that trained only fillers still takes part
+                p.grad = torch.zeros_like(p)
+            all_reduce(p.grad)
+    if total.weight_sum > 0 and not skipped_oom:
         for p in params:
             if p.grad is not None:
                 p.grad.div_(total.weight_sum)
@@ -169,7 +279,7 @@ def train_step(model, drafter, optimizer, scheduler, rows: list[TrainRow], *, ra
     # identical on every rank: the all-reduced stats and the norm of the all-reduced gradients
     finite = math.isfinite(total.loss_sum) and math.isfinite(total.weight_sum) and math.isfinite(grad_norm)
     lr = scheduler.get_last_lr()[0]
-    if finite and total.weight_sum > 0:  # a step of fillers only (cannot happen in a feed) moves nothing
+    if finite and total.weight_sum > 0 and not skipped_oom:  # a step of fillers only moves nothing
         optimizer.step()
     with warnings.catch_warnings():  # torch warns when a schedule steps before its optimizer ever did
         warnings.simplefilter("ignore", UserWarning)
@@ -183,4 +293,4 @@ def train_step(model, drafter, optimizer, scheduler, rows: list[TrainRow], *, ra
         train_tau_if_slots_independent=expected_acceptance_length(slot_accuracy), grad_norm=grad_norm, lr=lr,
         epoch=int(total.batch_epoch.max()), positions=total.batch_position.tolist(),
         buckets=total.batch_bucket.tolist(), batch_tokens=total.batch_tokens.tolist(),
-        skipped_nonfinite=not finite)
+        skipped_nonfinite=not finite, oom_splits=int(round(total.oom_splits)), skipped_oom=skipped_oom)
