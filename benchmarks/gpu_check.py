@@ -18,6 +18,11 @@
                  a stand-in step (~0.2 s of bf16 matmuls reading the features) each way, Qwen3-8B-sized rows
                  (16K tokens x 5 taps x 4096), and the staged tensors equal to the copied ones bit for bit
 
+    oom_split    (CUDA) train.oom_split against the real allocator: the step's peak measured whole and with its
+                 batch in 4 slices, then the process capped between the two (set_per_process_memory_fraction):
+                 the whole batch runs out of memory for real, the step retrains it in slices, and its loss and
+                 weights equal the uncapped whole step's; seconds of the split step against the whole one
+
     python benchmarks/gpu_check.py --out FILE.json [--device cpu]   # cpu: the same code on gloo
 
 Writes one JSON: {"device", "collective", "features", "checkpoint", "recompute", "host_copy", "staging", "ok"}; exit 1
@@ -263,6 +268,74 @@ def check_staging(device) -> dict:
     return out
 
 
+def check_oom_split(device) -> dict:
+    """A real CUDA out-of-memory error in the drafter's step, survived by training the batch in slices."""
+    if device.type != "cuda":
+        return {"ok": True, "skipped": "CPU: its allocator does not raise (tests/reliability/test_oom_split.py "
+                                       "injects the exception type instead)"}
+    import copy
+
+    import numpy as np
+    import torch
+
+    from dflash_ray.runtime.stream.rows import TrainRow, encode_features, token_row
+    from dflash_ray.runtime.training.model import LossModule, make_optimizer
+    from dflash_ray.runtime.training.step import train_step
+
+    base = tiny_drafter(device)
+    base.num_anchors, base.anchors_per_batch = 256, None   # activations big enough to measure the cap against
+    rows_n, width = 32, 1024
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 500, (rows_n, width), generator=g).numpy().astype(np.int32)
+    mask = np.ones_like(ids, dtype=np.int8)
+    mask[:, :64] = 0
+    feats = torch.randn(rows_n, width, 128 * len(base.target_layer_ids), generator=g).to(device, torch.bfloat16)
+
+    def make_row(n):   # the batch's first n rows
+        context, dtype = encode_features(feats[:n])
+        cols = token_row(dict(index=0, epoch=0, position=0, epoch_batches=1, bucket=0, num_tokens=n * width),
+                         1, ids[:n], mask[:n], np.full(n, width))
+        return TrainRow.from_batch({**cols, "context": context[None], "context_dtype": np.array([dtype])})
+
+    autocast = lambda: torch.autocast("cuda", dtype=torch.bfloat16)  # noqa: E731
+    train = argparse.Namespace(lr=1e-3, weight_decay=0.0, warmup_ratio=0.0)
+
+    def step(row):
+        drafter = copy.deepcopy(base)
+        opt, sched = make_optimizer(train, drafter, 10)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        t0 = time.perf_counter()
+        r = train_step(LossModule(drafter), drafter, opt, sched, [row], rank=0, workers=1, batches_per_step=1,
+                       seed=0, grad_clip=1.0, device=device, autocast=autocast, split_on_oom=True)
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        weights = [p.detach().float().cpu() for p in drafter.trainable_parameters()]
+        peak = torch.cuda.max_memory_allocated() - before
+        del drafter, opt, sched
+        torch.cuda.empty_cache()
+        return r, weights, before, peak, seconds
+
+    whole_row = make_row(rows_n)
+    step(whole_row)   # warm-up
+    whole, w_whole, before, peak_whole, s_whole = step(whole_row)
+    _, _, _, peak_quarter, _ = step(make_row(rows_n // 4))
+    total = torch.cuda.get_device_properties(device).total_memory
+    cap = before + (peak_whole + peak_quarter) // 2   # over a quarter's peak, under the whole batch's
+    torch.cuda.set_per_process_memory_fraction(cap / total, device)
+    try:
+        split, w_split, _, _, s_split = step(whole_row)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+    diff = max(float((a - b).abs().max()) for a, b in zip(w_whole, w_split))
+    return {"ok": split.oom_splits == 1 and not split.skipped_oom and abs(split.loss - whole.loss) <= 1e-3 * abs(whole.loss)
+            and diff <= 1e-3, "rows": rows_n, "width": width, "peak_whole_gib": peak_whole / 2**30,
+            "peak_quarter_gib": peak_quarter / 2**30, "cap_gib": cap / 2**30, "oom_splits": split.oom_splits,
+            "loss_whole": whole.loss, "loss_split": split.loss, "max_weight_diff": diff,
+            "seconds_whole": s_whole, "seconds_split": s_split, "split_over_whole": s_split / s_whole}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True, help="the JSON of results")
@@ -280,7 +353,7 @@ def main(argv=None) -> int:
               "torch": torch.__version__}
     checks = (("collective", check_collective), ("features", check_features), ("checkpoint", check_checkpoint),
               ("recompute", check_recompute), ("host_copy", check_host_copy), ("staging", check_staging),
-              ("fsdp", check_fsdp))
+              ("fsdp", check_fsdp), ("oom_split", check_oom_split))
     for name, check in checks:
         try:
             report[name] = check(device)

@@ -245,6 +245,10 @@ class TrainConfig:
     max_skipped_batches: int = knob(3, minimum=0, at_least='0: never stop',
         doc="stop after this many steps in a row whose batch did not fit even as single rows (skipped, "
             "counted: ledger 'skipped': 'oom'; 0: never stop)")
+    quarantine_after: int = knob(2, minimum=0, at_least='0: off',
+        doc="a plan batch whose training ends its worker group this many times in a row is set aside (ledger "
+            "'quarantined', summary.json, quarantine.json) and the run goes on; the restarts count against "
+            "train.max_failures. 0: off (the run fails after train.max_failures)")
     storage_path: Optional[str] = knob(None, 'Ray Train storage (null: <run.dir>/ray_train; shared on multi-node)')
     tensorboard: bool = knob(False, 'the older switch: the same as adding tensorboard to trackers')
     trackers: Optional[List[str]] = knob(None, 'any of tensorboard, mlflow, wandb (null/[]: metrics.jsonl only)')

@@ -6,6 +6,7 @@ plots, the summary and the tests read a run through this.
       ledger.jsonl        one line per committed optimizer step: epoch, step, plan positions, buckets (ledger.py)
       metrics.jsonl       one line per step: loss, tokens/s, timings, checkpoint costs (record.py)
       events.jsonl        restarts, rollbacks, stops, failed evaluations, removed checkpoints (record.py)
+      quarantine.json     plan batches set aside after failing their worker group repeatedly (quarantine.py)
       evals.jsonl         held-out tau during training, one line per evaluation (record.py)
       best/               the exported drafter of the best held-out tau so far (record.py)
       .evals/step_N/      an evaluation's export while it runs (moved to best/ or removed)
@@ -36,6 +37,7 @@ PLOTS = "plots"
 TENSORBOARD = "tensorboard"
 WANDB = "wandb"
 TRACKERS = "trackers.json"
+QUARANTINE = "quarantine.json"
 RAY_TRAIN = "ray_train"
 # the demo world's inputs
 CORPUS = "corpus.jsonl"
@@ -64,6 +66,7 @@ class RunLayout:
     ledger = property(lambda self: self.root / LEDGER)
     metrics = property(lambda self: self.root / METRICS)
     events = property(lambda self: self.root / EVENTS)
+    quarantine = property(lambda self: self.root / QUARANTINE)
     evals = property(lambda self: self.root / EVALS)
     best = property(lambda self: self.root / BEST)
     export = property(lambda self: self.root / EXPORT)

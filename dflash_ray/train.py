@@ -40,8 +40,8 @@ def main_job(cfg, *, progress: bool = True, log=print, plan_log=print, startup_s
     from dflash_ray.runtime.record.phases import PhaseClock
     from dflash_ray.model.export import write_model_card
     from dflash_ray.paths import resolve_model_paths
-    from dflash_ray.runtime.record.summary import build_summary, model_card_facts
-    from dflash_ray.runtime.plan_sizing import choose_parallelism
+    from dflash_ray.runtime.record.summary import build_summary, model_card_facts, oom_report
+    from dflash_ray.runtime.plan_sizing import choose_parallelism, plan_memory
     from dflash_ray.runtime.spec import RunPlans, resolve_spec, with_parallelism
     from dflash_ray.runtime.training.export import export_latest
     from dflash_ray.runtime.fit import fit
@@ -77,6 +77,13 @@ def main_job(cfg, *, progress: bool = True, log=print, plan_log=print, startup_s
             summary = build_summary(run_spec, plans, plan_summary, outcome.report, started=outcome.started,
                                     wall_seconds=outcome.wall_seconds)
             training["tokens"] = summary.get("tokens_this_invocation")
+            for q in summary["quarantined"]:   # never silent: each batch set aside, and why
+                log(f"set aside: plan batch {q['position']} of epoch {q['epoch']} (step {q['step']}) ended its worker "
+                    f"group {q['failures']} times in a row ({q['reason']}); not trained: in the ledger as "
+                    f"'quarantined', in {RunLayout(run_spec.run_dir).quarantine}")
+            if summary["oom_splits"] or summary["skipped_oom"]:   # which budget to lower, beside the model's estimate
+                summary["oom"] = oom_report(run_spec.run_dir, summary, plan_memory(cfg, plans(0)))
+                log(summary["oom"]["line"])
         with clock("export"):
             if export_latest(run_spec) is None:
                 summary["export"] = None

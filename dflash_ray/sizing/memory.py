@@ -231,8 +231,9 @@ def memory_report(plan, target: dict, *, draft_layers: int, layer_ids: list[int]
         drafter = fsdp
     trained, _ = plan.drafter_anchors()
     block = plan.plan_spec.block_size
-    by_bucket = [float(peaks[plan.bucket == b].max()) for b in range(len(plan.plan_spec.boundaries))
-                 if (plan.bucket == b).any()]
+    worst_of = {b: float(peaks[plan.bucket == b].max()) for b in range(len(plan.plan_spec.boundaries))
+                if (plan.bucket == b).any()}
+    by_bucket = list(worst_of.values())
     target_mem = target_actor_memory(target_shape, last_tap=max(layer_ids), taps=taps,
                                      tokens=int(plan.padded_tokens().max()), weight_bytes=2 if use_gpu else 4,
                                      stages=target_stages)
@@ -264,6 +265,7 @@ def memory_report(plan, target: dict, *, draft_layers: int, layer_ids: list[int]
                 warnings.append(f"WARNING: the {name} needs ~{g(need)}, more than its {have / GIB:,.1f} GiB: {hint}")
     return {"drafter": drafter, "parallelism": parallelism, "drafter_ddp": ddp_total, "drafter_fsdp": fsdp["total"],
             "drafter_worst_batch": worst, "drafter_bucket_max_over_min": max(by_bucket) / min(by_bucket),
+            "drafter_by_bucket": worst_of,   # bytes: each bucket's worst batch (train.oom_split's report)
             "target": target_mem, "text": text + warnings, "warnings": warnings}
 
 

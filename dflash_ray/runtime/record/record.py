@@ -25,6 +25,7 @@ import time
 from dflash_ray.run_layout import RunLayout
 from dflash_ray.runtime.record.heldout import HeldoutEvaluations
 from dflash_ray.runtime.record.ledger import read_jsonl, rollback
+from dflash_ray.runtime.record.quarantine import Quarantine
 
 
 class RunRecord:
@@ -58,6 +59,7 @@ class RunRecord:
         self.checkpoints: list[dict] = []
         self.removed_checkpoints: list = []   # a previous driver's unregistered checkpoint directories
         self.stopped: dict | None = None      # why the workers stopped early (non-finite steps), for the driver
+        self.quarantine = Quarantine(self.files.quarantine)   # poison batches (train.quarantine_after)
         self.heldout = HeldoutEvaluations(self.files, on_result=self._heldout_result, on_failure=lambda step, error:
                                           self.event("heldout_eval_failed", step=step, error=error))
         if self.heldout.latest_tau is not None:  # a resumed run shows its latest held-out tau from the start
@@ -78,10 +80,24 @@ class RunRecord:
         """The first time `what` happened (`at`: time.time() when it did; default now)."""
         self.timeline.setdefault(what, round((time.time() if at is None else at) - self.started, 3))
 
-    def end_stream(self) -> None:
+    def end_stream(self, quarantine_after: int = 0) -> list:
         """A new stream is about to replace the current one (its worker group is gone, or its segment ended):
-        commits of the old stream that still arrive are dropped, with the old timeline rolled back."""
+        commits of the old stream that still arrive are dropped, with the old timeline rolled back. Returns
+        the run's quarantined plan batches, (epoch, position), with those the ended stream's failure adds
+        (quarantine.py)."""
+        for entry in self.quarantine.end(self.gen, quarantine_after):
+            self.event("batch_quarantined", **entry)
         self.gen = -1
+        return self.quarantine.batches()
+
+    def in_flight(self, gen: int, rank: int, step: int, batches: list) -> None:
+        """Rank `rank` trains `batches` [(epoch, position)] in `step` now ([]: no step in flight)."""
+        self.quarantine.in_flight(gen, rank, step, batches)
+
+    def step_failed(self, gen: int, rank: int, step: int, batches: list, line: str) -> None:
+        """Rank `rank`'s `step` raised (`line`: the error's first line) while training `batches`."""
+        self.quarantine.failed(gen, rank, step, batches, line)
+        self.event("step_failed", gen=gen, rank=rank, step=step, batches=batches, error=line)
 
     def new_stream(self, gen: int, total_steps: int, rank_nodes: list | None = None,
                    placement: list | None = None) -> None:
@@ -310,7 +326,8 @@ class RunRecord:
         total = sum(t["batches"] for t in self.targets.values()) or 1
         targets = {k: {"batches": t["batches"], "share": t["batches"] / total, "busy_s": round(t["busy_s"], 3),
                        "tokens": t["tokens"], "idle_fraction": max(0.0, 1 - t["busy_s"] / max(now - t["started"], 1e-9)),
-                       "restarts": t["restarts"], "pid": t["pid"], "node": t["node"]}
+                       "restarts": t["restarts"], "pid": t["pid"], "node": t["node"],
+                       "oom_splits": t.get("oom_splits", 0)}
                    for k, t in self.targets.items()}
         # the planner balances batches' target work across buckets: what the actors measured
         by_bucket = [{"bucket": b, "batches": n, "mean_busy_ms": 1000 * s / n}
@@ -324,7 +341,8 @@ class RunRecord:
                 "checkpoints": self.checkpoints, "checkpoint_cost": self.checkpoint_cost(), "last": self.last,
                 "placement": self.placement, "feature_traffic": dict(self.features),
                 "feature_cache": dict(self.feature_cache), "timeline": self.timeline,
-                "evals": self.heldout.done, "stopped": self.stopped, "started": self.started}
+                "evals": self.heldout.done, "stopped": self.stopped, "started": self.started,
+                "quarantined": self.quarantine.listing()}
 
     def close(self) -> None:
         if self.trackers is not None:

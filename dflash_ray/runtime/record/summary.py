@@ -57,6 +57,8 @@ def build_summary(run_spec, plans, plan_summary: dict, report: dict, *, started:
         "oom_splits": sum(int(m.get("oom_splits", 0)) for m in metrics),
         "oom_split_steps": [int(m["step"]) for m in metrics if m.get("oom_splits")][:100],
         "skipped_oom": len(skipped_oom), "skipped_oom_steps": skipped_oom[:100],
+        # plan batches set aside after ending their worker group train.quarantine_after times in a row
+        "quarantined": report.get("quarantined", []),
         "final_train_tau": metrics[-1].get("train_tau") if metrics else None,
         "plan": {k: plan_summary.get(k) for k in ("batches", "tokens", "padding_efficiency", "strategy", "order")},
         "batches_per_step": run_spec.batches_per_step, "drafter_workers": c.drafter_workers,
@@ -134,3 +136,28 @@ def _tokens_through(metrics: list, step: int) -> int:
     that a restart repeated counting once)."""
     per_step = {int(m["step"]): int(m.get("tokens", 0)) for m in metrics if "step" in m}
     return sum(t for s, t in per_step.items() if s <= step)
+
+
+def oom_report(run_dir, summary: dict, memory: dict) -> dict | None:
+    """What running out of device memory cost the run, beside the memory model (`memory`: sizing/memory.py's
+    report for the run's plan): the buckets of the batches trained in slices or skipped, each bucket's
+    estimated step peak, and the measured peak by then (GPU: `device_peak_gib`, torch's max allocated). One
+    line for the console, the figures for summary.json; None when nothing ran out."""
+    steps = set(summary.get("oom_split_steps") or []) | set(summary.get("skipped_oom_steps") or [])
+    if not steps:
+        return None
+    ledger = {int(r["step"]): r for r in read_jsonl(RunLayout(run_dir).ledger)}
+    metrics = {int(m["step"]): m for m in last_metrics(run_dir)}
+    buckets = sorted({int(b) for s in steps for b in ledger.get(s, {}).get("buckets", []) if int(b) >= 0})
+    estimate = {b: (memory.get("drafter_by_bucket") or {}).get(b) for b in buckets}
+    peaks = [metrics[s]["device_peak_gib"] for s in steps if "device_peak_gib" in metrics.get(s, {})]
+    peak = max(peaks) if peaks else None
+    est = ", ".join(f"bucket {b} {v / 2**30:,.2f} GiB" if v else f"bucket {b} unknown" for b, v in estimate.items())
+    line = (f"out of device memory: {summary.get('oom_splits', 0)} batch(es) trained in slices, "
+            f"{summary.get('skipped_oom', 0)} step(s) skipped (steps {sorted(steps)[:10]}); the memory model's "
+            f"step peak for their buckets: {est or 'unknown'}; measured peak "
+            f"{f'{peak:,.2f} GiB' if peak is not None else 'not measured (CPU)'}: lower "
+            "model.max_block_tokens_per_batch or data.max_tokens_per_batch for those buckets, or set "
+            "train.recompute_layers=true")
+    return {"line": line, "buckets": buckets, "estimate_gib": {b: (v / 2**30 if v else None) for b, v in estimate.items()},
+            "measured_peak_gib": peak}

@@ -20,7 +20,7 @@ import numpy as np
 import pyarrow as pa
 
 from dflash_ray.runtime.registered import Cursor
-from dflash_ray.runtime.stream.rows import FEED_LISTS, FEED_SCALARS, FILLER
+from dflash_ray.runtime.stream.rows import FEED_LISTS, FEED_SCALARS, FILLER, QUARANTINED
 
 
 @dataclass
@@ -42,13 +42,17 @@ def steps_in_epoch(num_batches: int, start: int, batches_per_step: int) -> int:
     return -(-(num_batches - start) // batches_per_step) if num_batches > start else 0
 
 
-def build_feed(plan_for_epoch, cursor: Cursor, batches_per_step: int, epochs: int, max_steps: int | None) -> Feed:
+def build_feed(plan_for_epoch, cursor: Cursor, batches_per_step: int, epochs: int, max_steps: int | None,
+               quarantined=()) -> Feed:
     """plan_for_epoch(e) -> Plan. Rows of every remaining step, fillers included. `max_steps` stops the
     feed early; the LR schedule still spans every planned epoch (`schedule_steps`), so a run stopped
-    early and resumed with a larger max_steps follows the same schedule as one that never stopped."""
+    early and resumed with a larger max_steps follows the same schedule as one that never stopped.
+    `quarantined` (epoch, position): batches kept in their place (the step and the ledger have them) with
+    bucket QUARANTINED, no samples and no tokens, so no target actor computes and no rank trains them."""
     if batches_per_step < 1:
         raise ValueError(f"batches_per_step must be >= 1, got {batches_per_step}")
     budget = None if max_steps is None else max(0, int(max_steps) - cursor.step)
+    quarantined = {(int(e), int(p)) for e, p in quarantined}
     cols = {k: [] for k in FEED_SCALARS if k != "index"}
     sample_lists, length_lists, epoch_steps = [], [], {}
     steps, planned = 0, 0
@@ -65,13 +69,17 @@ def build_feed(plan_for_epoch, cursor: Cursor, batches_per_step: int, epochs: in
             pos = np.arange(start, stop, dtype=np.int64)
             fill = k * batches_per_step - pos.size
             tokens = plan.batch_tokens()
+            aside = np.array([(e, int(p)) in quarantined for p in pos], bool)
+            bucket = plan.bucket[start:stop].astype(np.int64)
+            bucket[aside] = QUARANTINED
             cols["epoch"].append(np.full(k * batches_per_step, e, np.int64))
             cols["position"].append(np.concatenate([pos, np.full(fill, FILLER, np.int64)]))
             cols["epoch_batches"].append(np.full(k * batches_per_step, n, np.int64))
-            cols["bucket"].append(np.concatenate([plan.bucket[start:stop].astype(np.int64), np.full(fill, -1)]))
-            cols["num_tokens"].append(np.concatenate([tokens[start:stop].astype(np.int64), np.zeros(fill, np.int64)]))
-            for p in pos:
-                a, b = plan.offsets[p], plan.offsets[p + 1]
+            cols["bucket"].append(np.concatenate([bucket, np.full(fill, -1)]))
+            cols["num_tokens"].append(np.concatenate([np.where(aside, 0, tokens[start:stop]).astype(np.int64),
+                                                      np.zeros(fill, np.int64)]))
+            for p, off in zip(pos, aside):
+                a, b = (0, 0) if off else (plan.offsets[p], plan.offsets[p + 1])
                 sample_lists.append(plan.sample_ids[a:b])
                 length_lists.append(plan.lengths[a:b])
             sample_lists.extend([np.zeros(0, np.int64)] * fill)

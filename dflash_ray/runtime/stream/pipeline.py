@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dflash_ray.runtime.stream.rows import FEED_COLUMNS, FEED_SCALARS, stack_rows, token_row
+from dflash_ray.runtime.stream.rows import FEED_COLUMNS, FEED_SCALARS, QUARANTINED, stack_rows, token_row
 from dflash_ray.runtime.stream.target_forward import TargetForward
 from dflash_ray.runtime.stream.token_store import TokenStore
 from dflash_ray.sizing.object_store import MAX_ROWS_PER_BLOCK  # noqa: F401  (the bound; tests read it here)
@@ -74,7 +74,7 @@ def token_block(table, tokens: _Ref, indices: list, *, gen: int, pad_id: int, bl
     rows = []
     for index in indices:
         row = {k: table.column(k)[index].as_py() for k in FEED_COLUMNS}
-        if row["position"] < 0:  # filler: pads an epoch's last step to a full step; trains nothing
+        if row["position"] < 0 or row["bucket"] == QUARANTINED:  # a filler, or a batch set aside: trains nothing
             n = 2 * block_size + 2
             ids, mask, lengths = np.full((1, n), pad_id, np.int32), np.ones((1, n), np.int8), np.array([n])
             samples = np.array([-1], np.int64)
@@ -192,13 +192,15 @@ class DatasetFactory:
         self.run_spec, self.plans = run_spec, plans   # plans: the driver's RunPlans (spec.py), built there
         self.tokens = _Ref(tokens_ref)
 
-    def feed(self):
+    def feed(self, quarantined=()):
+        """quarantined: (epoch, position) of plan batches no rank trains (record/quarantine.py)."""
         from dflash_ray.runtime.registered import latest_checkpoint
         from dflash_ray.runtime.stream.feed import build_feed
 
         s = self.run_spec
         cursor, _ = latest_checkpoint(s.experiment_dir)
-        return build_feed(self.plans, cursor, s.batches_per_step, s.train.epochs, s.train.max_steps)
+        return build_feed(self.plans, cursor, s.batches_per_step, s.train.epochs, s.train.max_steps,
+                          quarantined=quarantined)
 
     def splits(self, world_size: int, worker_node_ids: list) -> list:
         """One iterator per rank, rank r's rows in order."""
@@ -216,15 +218,16 @@ class DatasetFactory:
         if shares is None:
             raise RuntimeError(f"no node can host a target actor now (cluster.target_workers="
                                f"{s.cluster.target_workers}): nodes {resources}")
-        feed = self.feed()
         from dflash_ray.runtime.coordinator import record_actor_name
 
         coord = ray.get_actor(s.coordinator, namespace=s.namespace)
+        record = ray.get_actor(record_actor_name(s.coordinator), namespace=s.namespace)
+        # a replaced group's late commits are dropped from here on; what its failure quarantines is in the feed
+        quarantined = ray.get(record.end_stream.remote(s.train.quarantine_after))
+        feed = self.feed([tuple(q) for q in quarantined])
         placement = [{"node": node, "ranks": list(ranks), "target_actors": k} for (node, ranks), k in zip(groups, shares)]
         per_block = rows_per_block(feed.table.column("lengths"), stream_bytes_per_token(s),
                                    block_budget_mb(s.cluster.stream_block_mb, resources))
-        record = ray.get_actor(record_actor_name(s.coordinator), namespace=s.namespace)
-        ray.get(record.end_stream.remote())   # a replaced group's late commits are dropped from here on
         gen = ray.get(coord.reset_feed.remote(feed.total_steps, feed.cursor.as_dict(), s.batches_per_step,
                                              feed.schedule_steps, rows_per_block=per_block, world=world_size))
         ray.get(record.new_stream.remote(gen, feed.total_steps, list(worker_node_ids or []), placement))

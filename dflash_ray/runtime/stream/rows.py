@@ -25,6 +25,7 @@ FEED_SCALARS = ("index", "epoch", "position", "epoch_batches", "bucket", "num_to
 FEED_LISTS = ("sample_ids", "lengths")
 FEED_COLUMNS = FEED_SCALARS + FEED_LISTS
 FILLER = -1   # `position` of a filler row: pads an epoch's last step to a full step, trains nothing
+QUARANTINED = -2   # `bucket` of a plan batch set aside (record/quarantine.py): kept in its step, trains nothing
 
 
 def row_slices(num_rows: int, pieces: int) -> list[np.ndarray]:
@@ -132,6 +133,15 @@ class TrainRow:
     @property
     def is_filler(self) -> bool:
         return self.position == FILLER
+
+    @property
+    def is_quarantined(self) -> bool:
+        return self.bucket == QUARANTINED
+
+    @property
+    def trains_nothing(self) -> bool:
+        """A filler, or a batch set aside: no forward of its own (a filler-like stand-in where DDP needs one)."""
+        return self.is_filler or self.is_quarantined
 
     @property
     def num_rows(self) -> int:

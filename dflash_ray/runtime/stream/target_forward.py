@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dflash_ray.runtime.stream.rows import encode_features, row_slices
+from dflash_ray.runtime.stream.rows import QUARANTINED, encode_features, row_slices
 
 
 def in_row_slices(compute, input_ids: np.ndarray, lengths: np.ndarray, device):
@@ -135,7 +135,8 @@ class TargetForward:
             t0, pieces = time.perf_counter(), 1
             ids, lengths, samples = batch["input_ids"][i], batch["lengths"][i], batch["sample_ids"][i]
             cached = None
-            if int(batch["position"][i]) < 0:  # a filler: zeros of the right shape, no forward
+            # a filler, or a batch set aside (record/quarantine.py): zeros of the right shape, no forward
+            if int(batch["position"][i]) < 0 or int(batch["bucket"][i]) == QUARANTINED:
                 if not self.keep_features:
                     continue
                 import torch

@@ -19,6 +19,8 @@ def faults_for_tests() -> dict:
                         stops for t seconds inside the checkpoint of step s, after drafter.safetensors is
                         written ("write") or after its files are in storage, before the checkpoint is
                         registered ("upload"), having logged a `test_fault` event (with its pid) first
+      poison_batch      {"epoch": e, "position": p, "how": "exit" | "raise"}: the rank whose step trains plan
+                        batch (e, p) dies (os._exit, as a crash would) or raises, every time it meets it
       oom               {"steps": [s, ...], "rank": r | null (every rank), "where": "forward" | "backward",
                         "micro_batch": a | null (any), "max_rows": n}: torch.OutOfMemoryError, the allocator's
                         own exception type, in the drafter's step for any slice of more than n rows (0: even
@@ -116,3 +118,19 @@ def oom_fault(faults: dict, step: int, rank: int) -> OomFault | None:
     if step not in spec.get("steps", ()) or spec.get("rank") not in (None, rank):
         return None
     return OomFault(spec)
+
+
+def crash_on_poison(rows: list, faults: dict) -> None:
+    """The worker ends when one of its rows is the faults' poison batch: `exit` as a process that crashes
+    part-way into its step (its in-flight report, sent at the step's start, has had the time a forward takes to
+    go out), `raise` as a step whose code fails."""
+    poison = faults.get("poison_batch")
+    if not poison or not any(r.epoch == poison["epoch"] and r.position == poison["position"] and not r.trains_nothing
+                             for r in rows):
+        return
+    if poison.get("how", "exit") == "raise":
+        raise IndexError(f"test fault: poison batch {poison['epoch']}:{poison['position']} (index out of range)")
+    import time
+
+    time.sleep(0.5)
+    os._exit(1)

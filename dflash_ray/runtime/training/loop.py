@@ -98,7 +98,7 @@ def train_loop_per_worker(config: dict) -> None:
 
     from dflash_ray.runtime.training.record_client import RecordClient
     from dflash_ray.runtime.training.checkpoint import CheckpointManager, remove_orphaned_local_checkpoints
-    from dflash_ray.runtime.training.faults import oom_fault, poisoned
+    from dflash_ray.runtime.training.faults import crash_on_poison, oom_fault, poisoned
 
     spec, faults = config["spec"], config.get("test_faults") or {}
     ctx = ray.train.get_context()
@@ -143,10 +143,18 @@ def train_loop_per_worker(config: dict) -> None:
         rows = [next_row(stream, idx, feed["gen"], rank) for idx in rank_rows(s, per_step, world, rank)]
         rows = poisoned(rows, cursor.step + 1, rank, faults)   # test-only (DFLASH_TEST_FAULTS)
         t_compute, cpu_compute = time.perf_counter(), time.thread_time()
-        result = train_step(model, drafter, opt, sched, rows, rank=rank, workers=world, batches_per_step=per_step,
-                            seed=spec.seed, grad_clip=spec.train.grad_clip, device=device, autocast=autocast,
-                            all_reduce=all_reduce, split_on_oom=split_on_oom,
-                            fault=oom_fault(faults, cursor.step + 1, rank))   # test-only fault, else None
+        record.in_flight(cursor.step + 1, rows)   # what a worker group that dies had in flight (quarantine)
+        try:
+            crash_on_poison(rows, faults)   # test-only: a batch that ends its worker every time
+            result = train_step(model, drafter, opt, sched, rows, rank=rank, workers=world, batches_per_step=per_step,
+                                seed=spec.seed, grad_clip=spec.train.grad_clip, device=device, autocast=autocast,
+                                all_reduce=all_reduce, split_on_oom=split_on_oom,
+                                fault=oom_fault(faults, cursor.step + 1, rank))   # test-only fault, else None
+        except Exception as e:
+            record.step_failed(cursor.step + 1, rows, e)
+            raise
+        record.in_flight(cursor.step + 1, [])   # done: a failure from here on (a checkpoint, the next batch's
+                                                # wait) is not these batches'
         now, cpu_now = time.perf_counter(), time.thread_time()
         step, consumed = cursor.step + 1, (s + 1) * per_step
         cursor = cursor_after(result.epoch, result.positions, rows[0].epoch_batches, step)

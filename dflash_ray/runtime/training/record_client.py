@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import time
 
+from dflash_ray.runtime.stream.rows import QUARANTINED
+
 # One actor call a step costs the record ~1 ms of CPU, which matters only for tiny steps
 # (benchmarks/bench_load.py), not at GPU scale.
 COMMIT_INTERVAL_S = 0.5
@@ -27,6 +29,9 @@ def ledger_line(result, step: int) -> dict:
     """The ledger line of a committed step (a skipped one is marked: its batches trained nothing)."""
     line = {"epoch": result.epoch, "step": step, "positions": result.positions, "buckets": result.buckets,
             "tokens": result.batch_tokens}
+    aside = [p for p, b in zip(result.positions, result.buckets) if b == QUARANTINED]
+    if aside:   # set aside after failing their worker group (record/quarantine.py): in their step, not trained
+        line["quarantined"] = aside
     if result.skipped_oom:   # a batch did not fit even as single rows (step.py)
         line["skipped"] = "oom"
     elif result.skipped_nonfinite:
@@ -49,6 +54,15 @@ def metrics_line(result, step: int, *, timings: dict, feed: dict, epoch_batches:
             "batches_per_step": feed["batches_per_step"], "skipped_nonfinite": int(result.skipped_nonfinite),
             "nonfinite_streak": nonfinite_streak, "oom_splits": result.oom_splits,
             "skipped_oom": int(result.skipped_oom), "oom_streak": oom_streak, "time": time.time()}
+
+
+def peer_gone(error: BaseException) -> bool:
+    """An error a rank gets because another rank of its group failed (a collective's peer gone)."""
+    import torch.distributed as dist
+
+    text = str(error)
+    return isinstance(error, dist.DistError) or any(
+        s in text for s in ("Connection closed by peer", "Connection reset by peer", "NCCL", "ProcessGroup"))
 
 
 class RecordClient:
@@ -104,6 +118,30 @@ class RecordClient:
                 import ray
 
                 self.pending[:] = ray.wait(self.pending, num_returns=len(self.pending), timeout=0)[1]
+
+    def in_flight(self, step: int, rows) -> None:
+        """This rank trains `rows` in `step` now (no rows: the step is done), without waiting: what a worker
+        group that dies had in flight (record/quarantine.py). Two calls a step and rank: ~1 ms of the
+        record's CPU each (see COMMIT_INTERVAL_S), against steps of 0.1-2 s."""
+        self.record.in_flight.remote(self.gen, self.rank, step,
+                                     [[r.epoch, r.position] for r in rows if not r.trains_nothing])
+
+    def step_failed(self, step: int, rows, error: BaseException) -> None:
+        """This rank's step raised: the record has it before the worker goes (bounded wait). An error of a
+        collective (a peer gone: gloo's closed connection, NCCL's) does not name this rank's batches: only
+        the in-flight report counts then."""
+        import ray
+
+        if peer_gone(error):
+            return
+        line = (str(error).strip().splitlines() or [""])[0][:300]
+        ref = self.record.step_failed.remote(self.gen, self.rank, step,
+                                             [[r.epoch, r.position] for r in rows if not r.trains_nothing],
+                                             f"{type(error).__name__}: {line}")
+        try:
+            ray.get(ref, timeout=10)
+        except Exception:  # noqa: BLE001 - the record gone or slow: the failure itself still propagates
+            pass
 
     def evaluate(self, step: int, drafter) -> None:
         """Held-out tau of these weights, in a task the record starts (training goes on meanwhile)."""

@@ -169,7 +169,7 @@ def _train_micro_batch(model, drafter, row: TrainRow, *, pieces: int, a: int, la
             with autocast():
                 loss_sum, weight_sum, correct, count, prefix, blocks = model(p_ids, p_mask, p_ctx, p_len, generator,
                                                                             p_soft, p_anchors)
-            if row.is_filler:
+            if row.trains_nothing:   # a filler or a batch set aside, here only to let DDP's collective fire
                 if is_sharded(drafter):   # FSDP's reduce-scatter fires from the forward's graph: through it
                     (loss_sum * 0.0).backward()
                 else:
@@ -221,7 +221,9 @@ def train_step(model, drafter, optimizer, scheduler, rows: list[TrainRow], *, ra
         for a, row in enumerate(rows):
             j = a * workers + rank
             stats.batch_epoch[j] = row.epoch
-            if row.is_filler and (a != last or deferred):
+            if row.trains_nothing and not row.is_filler:   # set aside (quarantine): in the ledger, not trained
+                stats.batch_position[j], stats.batch_bucket[j] = row.position, row.bucket
+            if row.trains_nothing and (a != last or deferred):
                 continue  # nothing to train, and no collective happens in a no_sync micro-step
             try:
                 _train_micro_batch(model, drafter, row, pieces=pieces[a], a=a, last=a == last, deferred=deferred,
@@ -232,7 +234,7 @@ def train_step(model, drafter, optimizer, scheduler, rows: list[TrainRow], *, ra
                     raise
                 failed = a
                 break
-            if not row.is_filler:
+            if not row.trains_nothing:
                 stats.batch_position[j], stats.batch_bucket[j], stats.batch_tokens[j] = \
                     row.position, row.bucket, row.num_tokens
         if failed is None:
@@ -242,13 +244,12 @@ def train_step(model, drafter, optimizer, scheduler, rows: list[TrainRow], *, ra
         _free_device_memory(device)
         if pieces[failed] >= rows[failed].num_rows:   # single rows do not fit: this rank trains nothing more
             stats = StepStats.zeros(block_size, batches_per_step)
-            stats.batch_epoch[:] = FILLER
             for a, row in enumerate(rows):
                 j = a * workers + rank
                 stats.batch_epoch[j] = row.epoch
                 if not row.is_filler:
                     stats.batch_position[j], stats.batch_bucket[j], stats.batch_tokens[j] = \
-                        row.position, row.bucket, row.num_tokens
+                        row.position, row.bucket, 0 if row.trains_nothing else row.num_tokens
             stats.oom_unfit = 1.0
             break
         pieces[failed] = min(2 * pieces[failed], rows[failed].num_rows)
