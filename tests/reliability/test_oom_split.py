@@ -115,7 +115,7 @@ def test_a_batch_that_does_not_fit_as_single_rows_skips_the_step(drafter_and_wid
     rows = [batch(6, features, 4)]
     fault = OomFault({"where": "backward", "max_rows": 0})
     r, w, opt = one_step(base, rows, fault)
-    assert r.skipped_oom and not r.skipped_nonfinite and r.positions == [6]
+    assert r.skipped_oom and not r.skipped_nonfinite and r.positions == [6] and r.oom_splits == 0
     assert fault.raised == 4   # 5 rows, then 2, 4 and 5 slices: each try fails at its first slice
     for a, b in zip(weights(base), w):
         assert torch.equal(a, b)

@@ -253,7 +253,8 @@ def train_step(model, drafter, optimizer, scheduler, rows: list[TrainRow], *, ra
             stats.oom_unfit = 1.0
             break
         pieces[failed] = min(2 * pieces[failed], rows[failed].num_rows)
-    stats.oom_splits = float(sum(p > 1 for p in pieces))
+    # batches trained in slices (one that fitted no slice is counted as skipped, not split)
+    stats.oom_splits = float(sum(p > 1 for a, p in enumerate(pieces) if not (stats.oom_unfit and a == failed)))
 
     vector = stats.pack().to(device)  # on the model's device: NCCL reduces CUDA tensors only
     if all_reduce is not None:
