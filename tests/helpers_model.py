@@ -34,3 +34,29 @@ def tiny_step_drafter(root, vocab: int = 300, mask: int = 299, block: int = 4):
                             attention_backend="sdpa")
     return drafter, drafter.config.hidden_size * len(drafter.config.dflash_config["target_layer_ids"])
 
+
+
+def train_row(position: int, ids, mask, lengths, ctx, *, bucket: int = 0, epoch_batches: int = 10):
+    """A plan batch as a trainer receives it (stream rows.TrainRow): tokens, loss mask, lengths and its
+    context features (a tensor [rows, width, features]), encoded as the stream encodes them."""
+    import numpy as np
+
+    from dflash_ray.runtime.stream.rows import TrainRow, encode_features, token_row
+
+    context, dtype = encode_features(ctx)
+    scalars = dict(index=position, epoch=0, position=position, epoch_batches=epoch_batches, bucket=bucket,
+                   num_tokens=int(np.sum(lengths)))
+    cols = token_row(scalars, 1, ids, mask, lengths)
+    return TrainRow.from_batch({**cols, "context": context[None], "context_dtype": np.array([dtype])})
+
+
+def step_optimizer(drafter):
+    """The run's own optimizer and schedule (warmup: the learning rate changes every step)."""
+    from dflash_ray.config import TrainConfig
+    from dflash_ray.runtime.training.model import make_optimizer
+
+    return make_optimizer(TrainConfig(lr=1e-3, warmup_ratio=0.5), drafter, schedule_steps=8)
+
+
+def trainable_weights(drafter):
+    return [p.detach().clone() for p in drafter.trainable_parameters()]

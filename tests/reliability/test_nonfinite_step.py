@@ -10,11 +10,10 @@ import numpy as np
 import pytest
 import torch
 
-from helpers_model import tiny_step_drafter
+from helpers_model import step_optimizer, tiny_step_drafter, train_row, trainable_weights
 
-from dflash_ray.config import TrainConfig
-from dflash_ray.runtime.stream.rows import FILLER, TrainRow, encode_features, token_row
-from dflash_ray.runtime.training.model import LossModule, make_optimizer
+from dflash_ray.runtime.stream.rows import FILLER, TrainRow
+from dflash_ray.runtime.training.model import LossModule
 from dflash_ray.runtime.training.step import train_step
 
 VOCAB, MASK, BLOCK = 300, 299, 4
@@ -35,16 +34,11 @@ def row(position, width, features, seed, poison=None) -> TrainRow:
     ctx = torch.randn(2, width, features, generator=g)
     if poison is not None:
         ctx[0, width - 1, 0] = poison          # one value of the last position: every block sees it
-    context, dtype = encode_features(ctx)
-    scalars = dict(index=position, epoch=0, position=position, epoch_batches=10, bucket=0,
-                   num_tokens=int(lengths.sum()))
-    cols = token_row(scalars, 1, ids, mask, lengths)
-    return TrainRow.from_batch({**cols, "context": context[None], "context_dtype": np.array([dtype])})
+    return train_row(position, ids, mask, lengths, ctx)
 
 
-def adamw(drafter):
-    # the run's own optimizer and schedule (warmup: the learning rate changes every step)
-    return make_optimizer(TrainConfig(lr=1e-3, warmup_ratio=0.5), drafter, schedule_steps=8)
+adamw = step_optimizer
+weights = trainable_weights
 
 
 def step(drafter, opt, sched, rows, grad_clip=1.0):

@@ -12,12 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from helpers_model import tiny_step_drafter
+from helpers_model import step_optimizer, tiny_step_drafter, train_row, trainable_weights
 
-from dflash_ray.config import TrainConfig
-from dflash_ray.runtime.stream.rows import TrainRow, encode_features, token_row
+from dflash_ray.runtime.stream.rows import TrainRow
 from dflash_ray.runtime.training.faults import OomFault
-from dflash_ray.runtime.training.model import LossModule, make_optimizer
+from dflash_ray.runtime.training.model import LossModule
 from dflash_ray.runtime.training.step import row_slices, train_step
 
 VOCAB, MASK, BLOCK = 300, 299, 4
@@ -42,20 +41,11 @@ def batch(position, features, seed) -> TrainRow:
     mask = np.zeros((ROWS, WIDTH), np.int8)
     for r, n in enumerate(lengths):
         mask[r, 3:n] = 1
-    ctx = torch.randn(ROWS, WIDTH, features, generator=g)
-    context, dtype = encode_features(ctx)
-    scalars = dict(index=position, epoch=0, position=position, epoch_batches=10, bucket=1,
-                   num_tokens=int(lengths.sum()))
-    cols = token_row(scalars, 1, ids, mask, lengths)
-    return TrainRow.from_batch({**cols, "context": context[None], "context_dtype": np.array([dtype])})
+    return train_row(position, ids, mask, lengths, torch.randn(ROWS, WIDTH, features, generator=g), bucket=1)
 
 
-def adamw(drafter):
-    return make_optimizer(TrainConfig(lr=1e-3, warmup_ratio=0.5), drafter, schedule_steps=8)
-
-
-def weights(drafter):
-    return [p.detach().clone() for p in drafter.trainable_parameters()]
+adamw = step_optimizer
+weights = trainable_weights
 
 
 def one_step(base, rows, fault=None, split=True):
