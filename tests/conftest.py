@@ -51,6 +51,27 @@ RAY_FIXTURES = {"ray_session", "train_run", "job_run"}
 SLOW_FIXTURES = {"train_run", "job_run"}
 
 
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session, exitstatus):
+    """Whatever a test started and left running (a rank stuck in a collective after its test timed out, a
+    process a failed test did not stop) ends with the session: a leftover that holds the terminal's pipe keeps
+    the caller (CI) waiting after the summary. Named, so a leak is seen. Session fixtures are torn down by now;
+    under pytest-xdist the controller's children are its workers, so only a worker (or a plain run) sweeps."""
+    import psutil
+
+    config = session.config
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        return
+    say = getattr(config.pluginmanager.get_plugin("terminalreporter"), "write_line", print)
+    for p in psutil.Process().children(recursive=True):
+        try:
+            name = " ".join(p.cmdline())[:120]
+            p.kill()
+            say(f"killed a process the tests left running: pid {p.pid}: {name}")
+        except psutil.Error:
+            pass
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         used = set(getattr(item, "fixturenames", ()))

@@ -81,12 +81,13 @@ def test_checkpoints_off_is_one_cli_line(capsys):
 
 
 # ----------------------------------------------------------------------------- every rank decides the same
-def _decide_on_two_ranks(rank, port, out, broadcast):
+def _decide_on_two_ranks(rank, world, store, out, broadcast):
     import torch.distributed as dist
 
     from dflash_ray.runtime.training.checkpoint import rank0_value
+    from helpers_ranks import init_ranks
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    init_ranks(rank, world, store)
     try:
         # each rank's own clock differs (rank 1's runs 3x fast): only rank 0's may decide
         clock = [(s * 25.0) * (3 if rank else 1) for s in range(1, 13)]
@@ -104,15 +105,9 @@ def _decide_on_two_ranks(rank, port, out, broadcast):
 
 
 def _two_ranks(tmp_path, broadcast):
-    import socket
+    from helpers_ranks import run_ranks
 
-    import torch.multiprocessing as mp
-
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    mp.spawn(_decide_on_two_ranks, args=(port, str(tmp_path), broadcast), nprocs=2, join=True)
+    run_ranks(__name__, "_decide_on_two_ranks", 2, tmp_path / "store", str(tmp_path), broadcast)
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
 
 

@@ -4,24 +4,15 @@ and updated weights), a filler micro-step included; a checkpoint gathered from F
 spawned processes, the runtime's own train_step, build pieces and checkpoint functions."""
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from helpers_model import tiny_step_drafter
+from helpers_ranks import init_ranks, run_ranks
 
 MASK, WIDTH = 299, 16
-
-
-def _port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def _row(index, position, seed, width, filler=False):
@@ -83,14 +74,7 @@ def _full(drafter, opt):
             copy.deepcopy(optimizer_by_name(opt.state_dict(), trainable_names(drafter))))
 
 
-def _init(rank, port, world):
-    import torch.distributed as dist
-
-    return lambda: dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                                           world_size=world)
-
-
-def _train(rank, ports, world, modes, root, out, ckpt):
+def _train(rank, world, store, modes, root, out, ckpt):
     """Two steps in each of `modes`, one after the other in the same processes (a process group each): a
     spawn's start-up (torch, transformers, the package imported again) is paid once for all of them."""
     import torch.distributed as dist
@@ -100,9 +84,9 @@ def _train(rank, ports, world, modes, root, out, ckpt):
 
     torch.set_num_threads(1)
     results = {}
-    for mode, port in zip(modes, ports):
+    for mode in modes:
         drafter, model, opt, sched, width = _build(Path(root) / mode / f"r{rank}", mode, world,
-                                                   _init(rank, port, world))
+                                                   lambda: init_ranks(rank, world, store, mode))
         try:
             losses = _steps(drafter, model, opt, sched, width, rank, world, 2, filler_at=1)
             weights, optim = _full(drafter, opt)
@@ -117,12 +101,13 @@ def _train(rank, ports, world, modes, root, out, ckpt):
                                      snapshot=snap)
             dist.barrier()
         finally:
+            del model   # DDP's reducer goes while its process group lives (a later teardown hung under load)
             dist.destroy_process_group()
     if rank == 0:
         torch.save(results, out)
 
 
-def _resume(rank, ports, world, modes, root, out, ckpt):
+def _resume(rank, world, store, modes, root, out, ckpt):
     """Load the checkpoint into a drafter wrapped for each of `modes` (in turn, in the same processes), then
     one more step. World 1 runs in the calling process, without a process group."""
     import torch.distributed as dist
@@ -131,8 +116,8 @@ def _resume(rank, ports, world, modes, root, out, ckpt):
 
     torch.set_num_threads(1)
     results = {}
-    for mode, port in zip(modes, ports):
-        init = _init(rank, port, world) if world > 1 else (lambda: None)
+    for mode in modes:
+        init = (lambda: init_ranks(rank, world, store, mode)) if world > 1 else (lambda: None)
         drafter, model, opt, sched, width = _build(Path(root) / mode / f"r{rank}", mode, world, init)
         try:
             load_checkpoint(Path(ckpt), drafter=drafter, optimizer=opt, scheduler=sched, rank=rank)
@@ -142,6 +127,7 @@ def _resume(rank, ports, world, modes, root, out, ckpt):
             if rank == 0:
                 results[mode] = {"restored": restored, "losses": losses, "after": after[0]}
         finally:
+            del model
             if world > 1:
                 dist.destroy_process_group()
     if rank == 0:
@@ -151,11 +137,11 @@ def _resume(rank, ports, world, modes, root, out, ckpt):
 def _spawn(fn, world, modes, tmp_path, name, ckpt):
     """`fn` on `world` ranks for every mode in `modes`; rank 0's results by mode."""
     out = tmp_path / f"{name}.pt"
-    args = ([_port() for _ in modes], world, list(modes), str(tmp_path / name), str(out), str(ckpt))
+    args = (list(modes), str(tmp_path / name), str(out), str(ckpt))
     if world == 1:
-        fn(0, *args)
+        fn(0, 1, None, *args)
     else:
-        mp.spawn(fn, args=args, nprocs=world, join=True)
+        run_ranks(__name__, fn.__name__, world, tmp_path / f"{name}-store", *args)
     return torch.load(out, weights_only=False)
 
 

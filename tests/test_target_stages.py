@@ -3,14 +3,12 @@ cluster.target_gpus_per_replica): two processes on gloo, each holding only its l
 features of the unsplit target exactly; the stages' layer ranges by hand."""
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-
 from helpers_model import TINY_QWEN3
+from helpers_ranks import init_ranks, run_ranks
 
 LAYERS, TAPS = 6, [1, 3, 5]   # a tap on the last layer: HF's final norm applies to it
 
@@ -26,13 +24,13 @@ def test_stage_ranges_by_hand():
         stage_layers(2, 3)
 
 
-def _stage(rank, port, target, out):
+def _stage(rank, world, store, target, out):
     import torch.distributed as dist
 
     from dflash_ray.model.target import load_target_stage, replica_features, stage_layers
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    init_ranks(rank, world, store)
     try:
         stages = stage_layers(LAYERS, 2)
         stage = load_target_stage(target, TAPS, stages, rank)
@@ -54,12 +52,8 @@ def test_two_processes_give_the_unsplit_targets_features(tmp_path):
     from dflash_ray.model.target import build_synthetic_target, load_feature_extractor
 
     target = build_synthetic_target({**TINY_QWEN3, "num_hidden_layers": LAYERS}, 300, str(tmp_path / "t"), seed=1)
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
     out = tmp_path / "out"
-    mp.spawn(_stage, args=(port, target, str(out)), nprocs=2, join=True)
+    run_ranks(__name__, "_stage", 2, tmp_path / "store", target, str(out))
     r0, r1 = (torch.load(f"{out}.{r}", weights_only=False) for r in (0, 1))
     # each process read only its own layers (and rank 0 the embedding)
     assert (r0["layers"], r1["layers"]) == ([0, 1, 2], [3, 4, 5]) and r0["embedding"] and not r1["embedding"]

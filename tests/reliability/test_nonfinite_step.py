@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from helpers_model import step_optimizer, tiny_step_drafter, train_row, trainable_weights
+from helpers_ranks import init_ranks, run_ranks
 
 from dflash_ray.runtime.stream.rows import FILLER, TrainRow
 from dflash_ray.runtime.training.model import LossModule
@@ -133,14 +134,14 @@ def test_a_filler_whose_loss_is_nan_adds_nothing(drafter_and_width):
         assert torch.equal(a, b)
 
 
-def _ddp_worker(rank: int, root: str) -> None:
+def _ddp_worker(rank: int, world: int, root: str) -> None:
     """One of two DDP ranks (gloo): rank 0 trains the real batch, rank 1 only a NaN filler."""
     import torch.distributed as dist
     from torch import nn
 
     torch.set_num_threads(1)
     inputs = torch.load(f"{root}/inputs.pt", weights_only=False)
-    dist.init_process_group("gloo", init_method=f"file://{root}/store", rank=rank, world_size=2)
+    init_ranks(rank, world, root)
     model = None
     try:
         drafter = inputs["drafter"]
@@ -162,21 +163,10 @@ def test_a_nan_filler_on_one_ddp_rank_adds_nothing(drafter_and_width, tmp_path):
     """Two real DDP processes (gloo), as in a run whose epoch ends on an odd batch: rank 1's last micro-step
     is a filler whose loss is NaN. Both ranks take the step, and their weights equal the real batch's step
     trained alone (DDP's all-reduce of rank 1's zero gradient happened, and added nothing)."""
-    import subprocess
-    import sys
-
     base, features = drafter_and_width
     real, pad = row(1, 16, features, 1), filler(16, features, 2)
     torch.save({"drafter": copy.deepcopy(base), "rows": [real, pad]}, tmp_path / "inputs.pt")
-    # each rank a fresh interpreter (not mp.spawn from this process, which may hold a Ray session's state);
-    # a rank stuck for 240 s prints where and exits, rather than hanging the suite
-    procs = [subprocess.Popen(
-        [sys.executable, "-c", "import faulthandler, sys; faulthandler.dump_traceback_later(240, exit=True); "
-         f"sys.path[:0] = {sys.path!r}; from {__name__} import _ddp_worker; _ddp_worker({rank}, {str(tmp_path)!r}); "
-         "import os; os._exit(0)"],   # its result is saved: the interpreter's teardown of gloo is not under test
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
-    outs = [p.communicate(timeout=300)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(outs)[-4000:]
+    run_ranks(__name__, "_ddp_worker", 2, tmp_path)
 
     alone = copy.deepcopy(base)
     o1, s1 = adamw(alone)

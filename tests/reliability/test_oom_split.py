@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from helpers_model import step_optimizer, tiny_step_drafter, train_row, trainable_weights
+from helpers_ranks import init_ranks, run_ranks
 
 from dflash_ray.runtime.stream.rows import TrainRow
 from dflash_ray.runtime.training.faults import OomFault
@@ -118,7 +119,7 @@ def test_without_the_split_the_error_ends_the_step(drafter_and_width):
         one_step(base, [batch(7, features, 5)], OomFault({"where": "forward", "max_rows": 2}), split=False)
 
 
-def _ddp_worker(rank: int, root: str) -> None:
+def _ddp_worker(rank: int, world: int, root: str) -> None:
     """One of two DDP ranks (gloo) training its batch of the step, with the out-of-memory fault the inputs
     give it (or none)."""
     import torch.distributed as dist
@@ -126,7 +127,7 @@ def _ddp_worker(rank: int, root: str) -> None:
 
     torch.set_num_threads(1)
     inputs = torch.load(f"{root}/inputs.pt", weights_only=False)
-    dist.init_process_group("gloo", init_method=f"file://{root}/store", rank=rank, world_size=2)
+    init_ranks(rank, world, root)
     model = None
     try:
         drafter = inputs["drafter"]
@@ -146,18 +147,9 @@ def _ddp_worker(rank: int, root: str) -> None:
 
 
 def _run_ddp(root, base, rows, faults, split):
-    import subprocess
-    import sys
-
     root.mkdir(parents=True, exist_ok=True)
     torch.save({"drafter": copy.deepcopy(base), "rows": rows, "faults": faults, "split": split}, root / "inputs.pt")
-    procs = [subprocess.Popen(
-        [sys.executable, "-c", "import faulthandler, sys; faulthandler.dump_traceback_later(240, exit=True); "
-         f"sys.path[:0] = {sys.path!r}; from {__name__} import _ddp_worker; _ddp_worker({rank}, {str(root)!r}); "
-         "import os; os._exit(0)"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for rank in (0, 1)]
-    outs = [p.communicate(timeout=300)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(outs)[-4000:]
+    run_ranks(__name__, "_ddp_worker", 2, root)
     return [torch.load(root / f"rank{rank}.pt", weights_only=False) for rank in (0, 1)]
 
 
