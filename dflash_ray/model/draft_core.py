@@ -15,9 +15,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm, Qwen3RotaryEmbedding
 
-from .layers import DrafterLayer, RMSNorm
+from .layers import DrafterLayer
 
 
 def dflash_fields(config) -> tuple[int, int, list[int]]:
@@ -49,8 +49,8 @@ class DraftCore:
         h = config.hidden_size
         self.layers = nn.ModuleList(DrafterLayer(config) for _ in range(config.num_hidden_layers))
         self.fc = nn.Linear(len(self.target_layer_ids) * h, h, bias=False)
-        self.hidden_norm = RMSNorm(h, eps=config.rms_norm_eps)
-        self.norm = RMSNorm(h, eps=config.rms_norm_eps)
+        self.hidden_norm = Qwen3RMSNorm(h, eps=config.rms_norm_eps)
+        self.norm = Qwen3RMSNorm(h, eps=config.rms_norm_eps)
         self.rotary_emb = Qwen3RotaryEmbedding(config)
 
     def embed(self, ids: torch.Tensor) -> torch.Tensor:

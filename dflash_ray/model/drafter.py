@@ -19,12 +19,12 @@ import torch.utils.checkpoint
 from torch import nn
 
 from transformers import Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from dflash_ray.hf_config import text_config
 
 from .attention import training_mask
 from .draft_core import DraftCore
-from .layers import RMSNorm
 from .loss import LossOutput, chunked_head_ce, default_gamma, mix_soft_labels, slot_weights
 from .target import default_mask_token_id, default_target_layer_ids
 
@@ -171,7 +171,7 @@ class DFlashDrafter(DraftCore, nn.Module):
                 nn.init.normal_(module.weight, std=std)
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
-            elif isinstance(module, RMSNorm):
+            elif isinstance(module, Qwen3RMSNorm):
                 nn.init.ones_(module.weight)
 
     def compile_layers(self, **kwargs):

@@ -1,4 +1,5 @@
-"""Qwen3-style drafter decoder layer: RMSNorm, GQA attention with q/k norms and RoPE, SwiGLU MLP.
+"""Qwen3-style drafter decoder layer: GQA attention with q/k norms and RoPE, then a SwiGLU MLP. The norms, the MLP
+and rotate_half are transformers' Qwen3 modules, as in the reference DFlash model.
 
 The one DFlash twist is in the attention: keys/values are [k/v_proj(context); k/v_proj(block)] with the
 layer's own projections, and queries come from the block only. The context (the target's features after
@@ -9,48 +10,17 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.nn import functional as F
+
+from transformers.models.qwen3.modeling_qwen3 import Qwen3MLP, Qwen3RMSNorm, rotate_half
 
 from .attention import attend
 
 
-class RMSNorm(nn.Module):
-    """Qwen3RMSNorm: normalise in fp32, scale in the input dtype (same numbers as transformers)."""
-
-    def __init__(self, dim: int, eps: float = 1e-6):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.to(torch.float32)
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
-
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat((-x2, x1), dim=-1)
-
-
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [B, heads, L, D]; cos/sin [B, L, D] for the same positions."""
+    """x [B, heads, L, D]; cos/sin [B, L, D] for the same positions. One tensor at a time (transformers'
+    apply_rotary_pos_emb takes q and k together): context keys are rotated alone, once, for the cache."""
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
     return x * cos + rotate_half(x) * sin
-
-
-class MLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu"):
-        super().__init__()
-        if hidden_act != "silu":
-            raise ValueError(f"drafter MLP supports hidden_act='silu' only, got {hidden_act!r}")
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class DrafterAttention(nn.Module):
@@ -65,8 +35,8 @@ class DrafterAttention(nn.Module):
         self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
         self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=bias)
         self.o_proj = nn.Linear(self.num_heads * d, h, bias=bias)
-        self.q_norm = RMSNorm(d, eps=config.rms_norm_eps)
-        self.k_norm = RMSNorm(d, eps=config.rms_norm_eps)
+        self.q_norm = Qwen3RMSNorm(d, eps=config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(d, eps=config.rms_norm_eps)
 
     def keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """K (normed, rotated) and V, [B, kv_heads, L, D], for tokens x [B, L, H] at the positions of cos/sin.
@@ -94,9 +64,9 @@ class DrafterLayer(nn.Module):
     def __init__(self, config):
         super().__init__()
         self.self_attn = DrafterAttention(config)
-        self.mlp = MLP(config.hidden_size, config.intermediate_size, getattr(config, "hidden_act", "silu"))
-        self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
     def forward(self, x, ctx_h, ctx_cos, ctx_sin, cos, sin, mask, ctx_kv=None) -> torch.Tensor:
         """ctx_h: the shared context [B, S, H] at ctx_cos/ctx_sin positions, or ctx_kv: its cached K/V."""

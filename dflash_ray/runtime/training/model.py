@@ -9,7 +9,11 @@ from torch import nn
 
 
 def lr_lambda(total_steps: int, warmup_ratio: float):
-    """Linear warmup over warmup_ratio of the steps, then cosine decay to zero."""
+    """Linear warmup over warmup_ratio of the steps, then cosine decay to zero.
+
+    Not transformers' get_cosine_schedule_with_warmup, which differs in two places: its warmup starts at 0
+    (the first step would train at LR 0; here it is lr/warm), and past the last step its cosine rises again
+    (here the LR stays at 0, e.g. for the steps a resumed or extended run takes beyond `total_steps`)."""
     warm = max(1, round(warmup_ratio * total_steps)) if warmup_ratio > 0 else 0
 
     def f(step: int) -> float:
