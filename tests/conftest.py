@@ -48,7 +48,7 @@ RAY_NUM_CPUS = 4          # oversubscribed on purpose: Ray Data starves on 2 log
 RAY_TARGET_SLOTS = 2      # the custom resource target actors take instead of GPUs
 
 RAY_FIXTURES = {"ray_session", "train_run", "job_run"}
-SLOW_FIXTURES = {"train_run", "job_run"}
+SLOW_FIXTURES = {"train_run", "job_run", "ranks"}
 
 
 @pytest.hookimpl(trylast=True)
@@ -94,6 +94,16 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session")
+def ranks():
+    """`run_ranks` (helpers_ranks.py): real torch.distributed ranks, each a fresh interpreter importing torch
+    and the package (~5 s a rank on two cores). A test that uses it is slow: the quick loop keeps the
+    single-process checks of the same code."""
+    from helpers_ranks import run_ranks
+
+    return run_ranks
 
 
 @pytest.fixture(scope="session")
@@ -163,10 +173,27 @@ def split_run(train_run):
 @pytest.fixture(scope="session")
 def job_run(tiny_data, tmp_path_factory):
     """The run every runtime test compares against (RUNTIME_RUN), submitted as a user would. Tests only
-    read its run directory; one that writes works on a copy."""
-    root = tmp_path_factory.mktemp("job")
-    result = submit_job_to_fresh_cluster(root, [f"run.root={root}", "run.name=job", *tiny_data, *RUNTIME_RUN])
-    result["run_dir"] = root / "job"
-    summary = root / "job" / "summary.json"
+    read its run directory; one that writes works on a copy.
+
+    Built once for the whole test run: under pytest-xdist the first worker to ask submits it (a fresh
+    cluster, ~3 minutes on two cores) and the others wait for it and read the same run. Its inputs are the
+    first worker's tiny data, which every worker generates alike (the same seeds: the same files)."""
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    done = shared / "job_run.json"
+    with FileLock(str(shared / "job_run.lock")):
+        if not done.exists():
+            root = tmp_path_factory.mktemp("job")
+            result = submit_job_to_fresh_cluster(root, [f"run.root={root}", "run.name=job", *tiny_data,
+                                                        *RUNTIME_RUN])
+            result["run_dir"] = str(root / "job")
+            result["metric_names"] = sorted(result["metric_names"])
+            done.write_text(json.dumps(result))
+        result = json.loads(done.read_text())
+    result["run_dir"] = Path(result["run_dir"])
+    result["metric_names"] = set(result["metric_names"])
+    summary = result["run_dir"] / "summary.json"
     result["summary"] = json.loads(summary.read_text()) if summary.exists() else None
     return result

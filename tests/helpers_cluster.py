@@ -12,6 +12,7 @@ import tempfile
 import time
 import urllib.request
 from pathlib import Path
+from typing import NamedTuple
 
 # The run every runtime test compares against: two epochs straight through, submitted as a user would
 # (`ray job submit` to a `ray start --head` cluster on 127.0.0.1), W = 2 batches per step.
@@ -106,25 +107,67 @@ def worker_ports(node: int = 0) -> list[str]:
     return [f"--min-worker-port={low}", f"--max-worker-port={low + 399}"]
 
 
+class HeadArgs(NamedTuple):
+    args: list[str]
+    gcs: int
+    dashboard: int
+    metrics: int
+
+
+def head_args(temp: str) -> HeadArgs:
+    """The flags of every `ray start --head` the tests make: a head on 127.0.0.1 whose every port is its own
+    (free ports, worker_ports of node 0), its dashboard on, Ray's files under `temp`; and the GCS, dashboard
+    and metrics ports they name. The caller adds what differs (--block, resources, the object store)."""
+    gcs, dash, metrics, client, agent, agent_grpc, rtenv, nm, om = free_ports(9)
+    args = ["--head", f"--port={gcs}", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
+            f"--dashboard-port={dash}", f"--metrics-export-port={metrics}", f"--ray-client-server-port={client}",
+            f"--dashboard-agent-listen-port={agent}", f"--dashboard-agent-grpc-port={agent_grpc}",
+            f"--runtime-env-agent-port={rtenv}", f"--node-manager-port={nm}", f"--object-manager-port={om}",
+            f"--temp-dir={temp}", *worker_ports(0)]
+    return HeadArgs(args, gcs, dash, metrics)
+
+
+# what every `ray start --block` node the tests start runs with: stopped by SIGTERM, a node drains for up to
+# 30 s first (room for Ray Serve's proxies; these nodes serve nothing), and SIGINT left `ray start` waiting
+# for its processes for a minute (measured: 61 s a stop, 3 s with this)
+NODE_ENV = {"RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0"}
+
+
+def stop_nodes(procs: list, temp: str) -> None:
+    """Stop `ray start --block` processes (the last started first), then whatever of theirs outlived them, by
+    the temp dir their command lines name."""
+    for p in reversed(procs):
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)                     # `ray start --block` stops its node's processes
+    for p in reversed(procs):
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+    time.sleep(1)
+    for pid in own_processes(temp):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
 class FreshHead:
     """`ray start --head --block` on 127.0.0.1 with ports of its own, in a temp dir of its own. `start`: the
     command that runs `ray start` (scripts/ray-start.sh, as users start a head)."""
 
     def __init__(self, log_path: Path, env: dict, start=(RAY, "start")):
         self.temp = tempfile.mkdtemp(prefix="dfrjob", dir="/tmp")   # short: Ray puts unix sockets under it
-        gcs, dash, self.metrics, client, agent, agent_grpc, rtenv, nm, om = free_ports(9)
+        head = head_args(self.temp)
+        self.metrics = head.metrics
         self.log_path, self.log = log_path, open(log_path, "w")
-        self.address = f"http://127.0.0.1:{dash}"
+        self.address = f"http://127.0.0.1:{head.dashboard}"
         self.proc = subprocess.Popen(
-            [*start, "--head", "--block", "--node-ip-address=127.0.0.1", f"--port={gcs}",
-             "--include-dashboard=true", "--dashboard-host=127.0.0.1", f"--dashboard-port={dash}",
-             f"--metrics-export-port={self.metrics}", f"--ray-client-server-port={client}",
-             f"--dashboard-agent-listen-port={agent}", f"--dashboard-agent-grpc-port={agent_grpc}",
-             f"--runtime-env-agent-port={rtenv}", f"--node-manager-port={nm}", f"--object-manager-port={om}",
-             *worker_ports(),
+            [*start, "--block", "--node-ip-address=127.0.0.1", *head.args,
              "--num-cpus=4", '--resources={"target_slot": 1}', "--object-store-memory=300000000",
-             f"--temp-dir={self.temp}", "--disable-usage-stats"],
-            cwd=REPO, env=env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+             "--disable-usage-stats"],
+            cwd=REPO, env={**env, **NODE_ENV}, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
 
     def died(self) -> bool:
         """`ray start --block` exits when one of its processes dies (the raylet goes with a failed agent)."""
@@ -135,17 +178,7 @@ class FreshHead:
         return self.log_path.read_text()[-3000:]
 
     def stop(self):
-        self.proc.send_signal(signal.SIGINT)                     # `ray start --block` stops its processes
-        try:
-            self.proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-        time.sleep(1)
-        for pid in own_processes(self.temp):                     # whatever outlived it, by pid
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
+        stop_nodes([self.proc], self.temp)
         self.log.close()
 
 

@@ -12,9 +12,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from helpers_cluster import RAY, REPO, free_ports, http_get, own_processes, worker_ports
-
-HEAD_PORTS = 9     # gcs, dashboard, metrics, client, agent, agent grpc, runtime env agent, node manager, object manager
+from helpers_cluster import NODE_ENV, RAY, REPO, free_ports, head_args, http_get, stop_nodes, worker_ports
 
 
 class Cluster:
@@ -24,7 +22,7 @@ class Cluster:
                  env: dict | None = None):
         self.tmp, self.head_spec, self.worker_specs, self.object_store = Path(tmp), head, workers, object_store
         self.env = {**os.environ, "RAY_AUTH_MODE": "disabled", "RAY_metrics_report_interval_ms": "2000",
-                    **(env or {})}   # every process of the cluster (the job's driver too) sees `env`
+                    **NODE_ENV, **(env or {})}   # every process of the cluster (the job's driver too) sees `env`
         self.env.pop("RAY_ADDRESS", None)
         # the cluster's `python` (what jobs/*.sh run) is the project's environment, as on a user's nodes
         self.env["PATH"] = f"{Path(sys.executable).parent}:{self.env.get('PATH', '')}"
@@ -46,15 +44,11 @@ class Cluster:
         return [f"--num-cpus={spec.get('cpus', 2)}", f"--resources={json.dumps(spec.get('resources', {}))}"]
 
     def __enter__(self):
-        gcs, dash, self.metrics, client, agent, agent_grpc, rtenv, nm, om = free_ports(HEAD_PORTS)
-        self._start("head", ["--head", f"--port={gcs}", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
-                             f"--dashboard-port={dash}", f"--metrics-export-port={self.metrics}",
-                             f"--ray-client-server-port={client}", f"--dashboard-agent-listen-port={agent}",
-                             f"--dashboard-agent-grpc-port={agent_grpc}", f"--runtime-env-agent-port={rtenv}",
-                             f"--node-manager-port={nm}", f"--object-manager-port={om}", f"--temp-dir={self.temp}",
-                             *worker_ports(0), *self._resources(self.head_spec)])
-        self.address = f"http://127.0.0.1:{dash}"
-        self.gcs = f"127.0.0.1:{gcs}"
+        head = head_args(self.temp)
+        self.metrics = head.metrics
+        self._start("head", [*head.args, *self._resources(self.head_spec)])
+        self.address = f"http://127.0.0.1:{head.dashboard}"
+        self.gcs = f"127.0.0.1:{head.gcs}"
         self._wait(lambda: http_get(f"{self.address}/api/version") is not None, 120, "the head's dashboard")
         for i, spec in enumerate(self.worker_specs):
             metrics, agent, agent_grpc, rtenv, nm, om = free_ports(6)
@@ -110,20 +104,7 @@ class Cluster:
         return [j.get("status") for j in json.loads(text)] if text else []
 
     def __exit__(self, *exc):
-        for p in reversed(self.procs):
-            if p.poll() is None:
-                p.send_signal(signal.SIGINT)   # `ray start --block` stops its node's processes
-        for p in reversed(self.procs):
-            try:
-                p.wait(timeout=60)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        time.sleep(1)
-        for pid in own_processes(self.temp):
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except OSError:
-                pass
+        stop_nodes(self.procs, self.temp)
         for log in self.logs:
             log.close()
         return False

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from helpers_model import tiny_step_drafter
-from helpers_ranks import init_ranks, run_ranks
+from helpers_ranks import init_ranks
 
 MASK, WIDTH = 299, 16
 
@@ -134,7 +134,7 @@ def _resume(rank, world, store, modes, root, out, ckpt):
         torch.save(results, out)
 
 
-def _spawn(fn, world, modes, tmp_path, name, ckpt):
+def _spawn(run_ranks, fn, world, modes, tmp_path, name, ckpt):
     """`fn` on `world` ranks for every mode in `modes`; rank 0's results by mode."""
     out = tmp_path / f"{name}.pt"
     args = (list(modes), str(tmp_path / name), str(out), str(ckpt))
@@ -153,10 +153,10 @@ def _close(a: dict, b: dict, tol: float) -> float:
 
 
 @pytest.fixture(scope="module")
-def two_rank_runs(tmp_path_factory):
+def two_rank_runs(tmp_path_factory, ranks):
     tmp = tmp_path_factory.mktemp("fsdp")
     ckpt = tmp / "ckpt"
-    return tmp, ckpt, _spawn(_train, 2, ("ddp", "fsdp"), tmp, "two", ckpt)
+    return tmp, ckpt, _spawn(ranks, _train, 2, ("ddp", "fsdp"), tmp, "two", ckpt)
 
 
 def test_a_two_rank_fsdp_step_is_the_ddp_step(two_rank_runs):
@@ -171,15 +171,15 @@ def test_a_two_rank_fsdp_step_is_the_ddp_step(two_rank_runs):
             assert torch.allclose(fsdp["optim"]["state"][name][k], state[k], rtol=1e-5, atol=1e-9), (name, k)
 
 
-def test_an_fsdp_checkpoint_restores_whole_on_one_and_three_ranks_and_goes_on_alike(two_rank_runs):
+def test_an_fsdp_checkpoint_restores_whole_on_one_and_three_ranks_and_goes_on_alike(two_rank_runs, ranks):
     from safetensors.torch import load_file
 
     tmp, ckpt, runs = two_rank_runs
     saved = load_file(str(ckpt / "drafter.safetensors"))
     saved_optim = torch.load(ckpt / "optim.pt", weights_only=False)["optimizer_by_name"]
     _close(saved, runs["fsdp"]["weights"], 0.0)                          # the files are the gathered state
-    one = _spawn(_resume, 1, ("ddp",), tmp, "one", ckpt)["ddp"]          # plain, in this process
-    on_three = _spawn(_resume, 3, ("fsdp", "ddp"), tmp, "three", ckpt)
+    one = _spawn(ranks, _resume, 1, ("ddp",), tmp, "one", ckpt)["ddp"]          # plain, in this process
+    on_three = _spawn(ranks, _resume, 3, ("fsdp", "ddp"), tmp, "three", ckpt)
     three, three_ddp = on_three["fsdp"], on_three["ddp"]                  # sharded three ways; DDP
     for run in (one, three, three_ddp):                                   # restored exactly, whatever the world
         weights, optim = run["restored"]

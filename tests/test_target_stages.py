@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers_model import TINY_QWEN3
-from helpers_ranks import init_ranks, run_ranks
+from helpers_ranks import init_ranks
 
 LAYERS, TAPS = 6, [1, 3, 5]   # a tap on the last layer: HF's final norm applies to it
 
@@ -48,12 +48,12 @@ def _stage(rank, world, store, target, out):
         dist.destroy_process_group()
 
 
-def test_two_processes_give_the_unsplit_targets_features(tmp_path):
+def test_two_processes_give_the_unsplit_targets_features(tmp_path, ranks):
     from dflash_ray.model.target import build_synthetic_target, load_feature_extractor
 
     target = build_synthetic_target({**TINY_QWEN3, "num_hidden_layers": LAYERS}, 300, str(tmp_path / "t"), seed=1)
     out = tmp_path / "out"
-    run_ranks(__name__, "_stage", 2, tmp_path / "store", target, str(out))
+    ranks(__name__, "_stage", 2, tmp_path / "store", target, str(out))
     r0, r1 = (torch.load(f"{out}.{r}", weights_only=False) for r in (0, 1))
     # each process read only its own layers (and rank 0 the embedding)
     assert (r0["layers"], r1["layers"]) == ([0, 1, 2], [3, 4, 5]) and r0["embedding"] and not r1["embedding"]

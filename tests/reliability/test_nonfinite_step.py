@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from helpers_model import step_optimizer, tiny_step_drafter, train_row, trainable_weights
-from helpers_ranks import init_ranks, run_ranks
+from helpers_ranks import init_ranks
 
 from dflash_ray.runtime.stream.rows import FILLER, TrainRow
 from dflash_ray.runtime.training.model import LossModule
@@ -159,14 +159,14 @@ def _ddp_worker(rank: int, world: int, root: str) -> None:
         dist.destroy_process_group()
 
 
-def test_a_nan_filler_on_one_ddp_rank_adds_nothing(drafter_and_width, tmp_path):
+def test_a_nan_filler_on_one_ddp_rank_adds_nothing(drafter_and_width, tmp_path, ranks):
     """Two real DDP processes (gloo), as in a run whose epoch ends on an odd batch: rank 1's last micro-step
     is a filler whose loss is NaN. Both ranks take the step, and their weights equal the real batch's step
     trained alone (DDP's all-reduce of rank 1's zero gradient happened, and added nothing)."""
     base, features = drafter_and_width
     real, pad = row(1, 16, features, 1), filler(16, features, 2)
     torch.save({"drafter": copy.deepcopy(base), "rows": [real, pad]}, tmp_path / "inputs.pt")
-    run_ranks(__name__, "_ddp_worker", 2, tmp_path)
+    ranks(__name__, "_ddp_worker", 2, tmp_path)
 
     alone = copy.deepcopy(base)
     o1, s1 = adamw(alone)

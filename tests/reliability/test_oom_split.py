@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from helpers_model import step_optimizer, tiny_step_drafter, train_row, trainable_weights
-from helpers_ranks import init_ranks, run_ranks
+from helpers_ranks import init_ranks
 
 from dflash_ray.runtime.stream.rows import TrainRow
 from dflash_ray.runtime.training.faults import OomFault
@@ -146,22 +146,22 @@ def _ddp_worker(rank: int, world: int, root: str) -> None:
         dist.destroy_process_group()
 
 
-def _run_ddp(root, base, rows, faults, split):
+def _run_ddp(run_ranks, root, base, rows, faults, split):
     root.mkdir(parents=True, exist_ok=True)
     torch.save({"drafter": copy.deepcopy(base), "rows": rows, "faults": faults, "split": split}, root / "inputs.pt")
     run_ranks(__name__, "_ddp_worker", 2, root)
     return [torch.load(root / f"rank{rank}.pt", weights_only=False) for rank in (0, 1)]
 
 
-def test_ddp_ranks_stay_in_step_when_one_runs_out_of_memory(drafter_and_width, tmp_path):
+def test_ddp_ranks_stay_in_step_when_one_runs_out_of_memory(drafter_and_width, tmp_path, ranks):
     """Two real DDP processes (gloo). Rank 1 runs out of memory inside its backward (where DDP's own all-reduce
     would run); it trains its batch in slices while rank 0 waits for the step's one gradient all-reduce. Both
     ranks end with the weights of the ordinary DDP step (the overlapped all-reduce, no fault), and count the
     split. Then the batch that fits no slice on rank 1: both ranks skip the step, neither updates."""
     base, features = drafter_and_width
     rows = [batch(0, features, 8), batch(1, features, 9)]
-    plain = _run_ddp(tmp_path / "plain", base, rows, [None, None], split=False)
-    split = _run_ddp(tmp_path / "split", base, rows, [None, {"where": "backward", "max_rows": 2}], split=True)
+    plain = _run_ddp(ranks, tmp_path / "plain", base, rows, [None, None], split=False)
+    split = _run_ddp(ranks, tmp_path / "split", base, rows, [None, {"where": "backward", "max_rows": 2}], split=True)
     assert split[1]["raised"] == 2 and split[0]["raised"] == 0
     for rank in (0, 1):
         p, s = plain[rank]["result"], split[rank]["result"]
@@ -170,7 +170,7 @@ def test_ddp_ranks_stay_in_step_when_one_runs_out_of_memory(drafter_and_width, t
         assert s.loss == pytest.approx(p.loss, rel=1e-5)
         for a, b in zip(plain[rank]["weights"], split[rank]["weights"]):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
-    unfit = _run_ddp(tmp_path / "unfit", base, rows, [None, {"where": "forward", "max_rows": 0}], split=True)
+    unfit = _run_ddp(ranks, tmp_path / "unfit", base, rows, [None, {"where": "forward", "max_rows": 0}], split=True)
     for rank in (0, 1):
         r = unfit[rank]["result"]
         assert r.skipped_oom and r.positions == [0, 1], rank
