@@ -163,8 +163,8 @@ class Sampler(threading.Thread):
         coord = self._coord()
         if coord is not None:
             try:
-                rep, workers = ray.get([coord.report.remote(), coord.worker_pids.remote()],
-                                       timeout=30)
+                rep, now = ray.get([coord.report.remote(), coord.progress.remote()], timeout=30)
+                workers = now["pids"]["workers"]
                 rec["step"] = int((rep.get("last") or {}).get("step", 0))
                 rec["targets"] = {k: {"pid": v["pid"], "busy_s": v["busy_s"], "batches": v["batches"]}
                                   for k, v in rep["targets"].items()}

@@ -614,13 +614,13 @@ def export_command(cfg, args) -> int:
     from dflash_ray.run_layout import RunLayout
     from dflash_ray.runtime.record.summary import model_card_facts
     from dflash_ray.runtime.spec import resolve_spec
-    from dflash_ray.runtime.training.export import export_latest
+    from dflash_ray.runtime.checkpoints import RunCheckpoints
 
     # the checkpoint and the drafter's shape only: the shards are not read (they may have changed or be gone)
     run_spec = resolve_spec(cfg, log=lambda *a, **k: None, inputs=False)
     summary = RunLayout(run_spec.run_dir).summary    # the run's facts for the model card, when it has them
     facts = model_card_facts(run_spec, json.loads(summary.read_text()) if summary.exists() else None)
-    exported = export_latest(run_spec, dtype=args.dtype, card=facts)
+    exported = RunCheckpoints(run_spec.experiment_dir).export_latest(run_spec, dtype=args.dtype, card=facts)
     if exported is None:
         raise UserError(f"{run_spec.experiment_dir}: no checkpoint to export (train the run first)")
     print(f"exported {exported[0]} -> {exported[1]}")

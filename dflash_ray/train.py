@@ -43,7 +43,7 @@ def main_job(cfg, *, progress: bool = True, log=print, plan_log=print, startup_s
     from dflash_ray.runtime.record.summary import build_summary, model_card_facts, oom_report
     from dflash_ray.runtime.plan_sizing import choose_parallelism, plan_memory
     from dflash_ray.runtime.spec import RunPlans, resolve_spec, with_parallelism
-    from dflash_ray.runtime.training.export import export_latest
+    from dflash_ray.runtime.checkpoints import RunCheckpoints
     from dflash_ray.runtime.fit import fit
 
     required = sorted(OmegaConf.missing_keys(cfg) & {"data.tokenizer", "data.shards", "model.target_path"})
@@ -74,8 +74,9 @@ def main_job(cfg, *, progress: bool = True, log=print, plan_log=print, startup_s
             except BaseException:
                 trackers.end_run(run_spec, None, failed=True, log=log)   # the tracker runs say FAILED
                 raise
-            summary = build_summary(run_spec, plans, plan_summary, outcome.report, started=outcome.started,
-                                    wall_seconds=outcome.wall_seconds)
+            checkpoints = RunCheckpoints(run_spec.experiment_dir)
+            summary = build_summary(run_spec, plans, plan_summary, outcome.report, latest=checkpoints.latest(),
+                                    started=outcome.started, wall_seconds=outcome.wall_seconds)
             training["tokens"] = summary.get("tokens_this_invocation")
             for q in summary["quarantined"]:   # never silent: each batch set aside, and why
                 log(f"set aside: plan batch {q['position']} of epoch {q['epoch']} (step {q['step']}) ended its worker "
@@ -85,7 +86,7 @@ def main_job(cfg, *, progress: bool = True, log=print, plan_log=print, startup_s
                 summary["oom"] = oom_report(run_spec.run_dir, summary, plan_memory(cfg, plans(0)))
                 log(summary["oom"]["line"])
         with clock("export"):
-            if export_latest(run_spec) is None:
+            if checkpoints.export_latest(run_spec) is None:
                 summary["export"] = None
         # held-out tau of the fresh and the trained drafter, on a target GPU now that training let it go
         with clock("held-out tau"):

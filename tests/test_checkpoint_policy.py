@@ -104,15 +104,13 @@ def _decide_on_two_ranks(rank, world, store, out, broadcast):
         dist.destroy_process_group()
 
 
-def _two_ranks(tmp_path, broadcast):
-    from helpers_ranks import run_ranks
-
+def _two_ranks(tmp_path, broadcast, run_ranks):
     run_ranks(__name__, "_decide_on_two_ranks", 2, tmp_path / "store", str(tmp_path), broadcast)
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in (0, 1)]
 
 
-def test_time_based_decision_is_rank_zeros_on_every_rank(tmp_path):
-    r0, r1 = _two_ranks(tmp_path, broadcast=True)
+def test_time_based_decision_is_rank_zeros_on_every_rank(tmp_path, ranks):
+    r0, r1 = _two_ranks(tmp_path, broadcast=True, run_ranks=ranks)
     # rank 0's clock: 25 s a step, due once >= 60 s since the last: steps 3, 6, 9, 12
     assert r0 == r1 == [3, 6, 9, 12]
 
@@ -163,6 +161,70 @@ def test_save_checkpoint_hands_a_whole_directory_after_the_ledger(monkeypatch, u
         import shutil
 
         shutil.rmtree(seen.get("path", "/nonexistent"), ignore_errors=True)   # async: Ray would delete it
+
+
+class _Record:
+    """The worker's record client, as the checkpoint manager sees it: what it was told, in order."""
+    attempt = 1
+
+    def __init__(self):
+        self.calls = []
+
+    def release(self, consumed):
+        self.calls.append(("release", consumed))
+
+    def flush(self, consumed, extra=None, wait=False):
+        self.calls.append(("flush", consumed, sorted(extra or {}), wait))
+
+    def checkpoint_uploaded(self, step, seconds):
+        self.calls.append(("uploaded", step))
+
+    def checkpoint_done(self, step, seconds, upload, cost):
+        self.calls.append(("done", step, upload))
+
+
+def test_the_manager_restores_then_saves_when_due_or_forced(monkeypatch, tmp_path):
+    """Built once with the states: restore sweeps this node's orphaned local directories and starts a run at
+    its start (no checkpoint handed over); save decides itself (every 3 steps here, or forced: an epoch's
+    end, the feed's last step), sends the step's lines and waits before Ray Train has the checkpoint, and
+    tells the record its cost; a step that is not due writes and tells nothing."""
+    import subprocess
+    import sys
+    import tempfile
+    from types import SimpleNamespace
+
+    import ray.train
+
+    from dflash_ray.runtime.training.checkpoint import CheckpointManager
+    from dflash_ray.runtime.training.checkpoint_format import read_state
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True,
+                          check=True)
+    orphan = tmp_path / f"dflash-ckpt-{int(dead.stdout)}-a1b2c3"   # its writer exited
+    orphan.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(ray.train, "get_checkpoint", lambda: None)
+    reported = []
+
+    def fake_report(metrics, checkpoint=None, **kw):
+        reported.append((metrics["step"], read_state(Path(checkpoint.path))))
+
+    monkeypatch.setattr(ray.train, "report", fake_report)
+    model, opt, sched = _model()
+    record = _Record()
+    train = SimpleNamespace(checkpoint_every=3, checkpoint_every_minutes=None, checkpoint_upload="sync")
+    manager = CheckpointManager(train, drafter=model, optimizer=opt, scheduler=sched, record=record, rank=0,
+                                world_size=1, device=torch.device("cpu"), run_name="r")
+    assert manager.restore() == (Cursor(), 0) and not orphan.exists()
+    saved = [s for s in range(1, 8) if manager.save(s, Cursor(0, s, s), force=s in (5, 7), loss=1.0,
+                                                    consumed=2 * s, nonfinite_streak=s % 2)]
+    assert saved == [3, 5, 6, 7] and [step for step, _ in reported] == saved
+    assert [(st["cursor"]["step"], st["run"], st["nonfinite_streak"]) for _, st in reported] == \
+        [(3, "r", 1), (5, "r", 1), (6, "r", 0), (7, "r", 1)]
+    cost = ["checkpoint_bytes", "checkpoint_upload", "checkpoint_write", "checkpoint_write_seconds"]
+    flush = ("flush", 6, cost, True)
+    assert record.calls[:3] == [("release", 6), flush, ("done", 3, "sync")]   # the ledger first, then the cost
+    assert [c for c in record.calls if c[0] == "done"] == [("done", s, "sync") for s in saved]
 
 
 def _check_handed_over(events, seen, cost, upload):
@@ -217,23 +279,27 @@ def test_the_record_keeps_checkpoint_cost(ray_session, tmp_path):
     from dflash_ray.runtime.record.record import RunRecord
 
     c = RunRecord(str(tmp_path), "ckpt")
-    c.begin_attempt(0, 2, attempt=1, restarted=False)
+    assert c.begin_attempt(0, 2) == {"attempt": 1, "restarted": False, "rolled_back": 0}
 
     def commit(step, **extra):
-        c.commit_step(c.gen, {"epoch": 0, "step": step, "positions": [step], "buckets": [0], "tokens": [1]},
-                      {"step": step, "epoch": 0, "loss": 1.0, "tokens": 1, **extra})
+        c.commit_steps(c.gen, [({"epoch": 0, "step": step, "positions": [step], "buckets": [0], "tokens": [1]},
+                                {"step": step, "epoch": 0, "loss": 1.0, "tokens": 1, **extra})])
+
+    def done(attempt, step, seconds, upload, write_seconds, nbytes):   # rank 0's report of it returned
+        c.checkpoint(attempt, step, {"seconds": seconds, "upload": upload, "write_seconds": write_seconds,
+                                     "bytes": nbytes, "write": None})
 
     commit(1)
     # sync: the upload is timed inside report, before report returns
     commit(2, checkpoint_write_seconds=2.0, checkpoint_bytes=1000, checkpoint_upload="sync")
-    c.checkpoint_uploaded(1, 2, 3.0)
-    c.checkpoint_done(2, 5.5, attempt=1, upload="sync", write_seconds=2.0, nbytes=1000)
+    c.checkpoint(1, 2, {"upload_seconds": 3.0})
+    done(1, 2, 5.5, "sync", 2.0, 1000)
     commit(3)
     # async: report returns first, the upload ends later (after step 5's line)
     commit(4, checkpoint_write_seconds=1.0, checkpoint_bytes=3000, checkpoint_upload="async")
-    c.checkpoint_done(4, 1.5, attempt=1, upload="async", write_seconds=1.0, nbytes=3000)
+    done(1, 4, 1.5, "async", 1.0, 3000)
     commit(5)
-    c.checkpoint_uploaded(1, 4, 7.0)
+    c.checkpoint(1, 4, {"upload_seconds": 7.0})
     commit(6)
     c.close()
     lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -252,14 +318,17 @@ def test_the_record_keeps_checkpoint_cost(ray_session, tmp_path):
         "max_write_seconds": 2.0, "total_upload_seconds": 10.0, "max_upload_seconds": 7.0,
         "total_bytes": 4000, "max_bytes": 3000}
     # a step checkpointed again in a later attempt is a record of its own
-    c.begin_attempt(0, 2, attempt=2, restarted=True)
-    c.checkpoint_done(2, 1.0, attempt=2, upload="async", write_seconds=0.5, nbytes=1000)
+    assert c.begin_attempt(0, 2)["attempt"] == 2
+    done(2, 2, 1.0, "async", 0.5, 1000)
     assert [(r["attempt"], r["step"]) for r in asyncio.run(c.report())["checkpoints"]] == [(1, 2), (1, 4), (2, 2)]
 
 
 def test_unregistered_checkpoint_directories_are_removed_and_registered_ones_kept(tmp_path):
-    from dflash_ray.runtime.registered import remove_unregistered_checkpoints
+    from dflash_ray.runtime.checkpoints import RunCheckpoints
     from helpers_ray_train import register_with_ray_train
+
+    def remove_unregistered_checkpoints(experiment_dir):
+        return RunCheckpoints(experiment_dir).remove_unregistered()
 
     exp = tmp_path / "run"
     for d in ("checkpoint_a", "checkpoint_b", "checkpoint_c", "not_a_checkpoint"):
@@ -348,3 +417,10 @@ def test_async_checkpoint_writes_a_snapshot_of_the_step_in_the_upload_thread(mon
         import shutil
 
         shutil.rmtree(seen.get("path", "/nonexistent"), ignore_errors=True)
+
+
+def test_checkpoint_due_every_n_steps_at_epoch_ends_and_the_last_step():
+    from dflash_ray.runtime.training.checkpoint import checkpoint_due
+
+    due = [s for s in range(1, 15) if checkpoint_due(s, 4, last_step=s == 14, end_of_epoch=s in (6, 12))]
+    assert due == [4, 6, 8, 12, 14]

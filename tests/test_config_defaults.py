@@ -1,8 +1,14 @@
 """One home for every default: the typed schema (dflash_ray/config.py). The YAML under dflash_ray/conf/ picks the group
 options, and an option sets only the keys whose value differs from the schema's default; what a user gets
 composed stays what the YAML gave before the defaults moved (the expected values below are written out by
-hand from the options as they were, not read from the code under test)."""
+hand from the options as they were, not read from the code under test). Nor does the package's code state them a
+second time: a parameter or dataclass field naming a key has no literal default equal to the key's (restated_defaults;
+NOT_THE_KEY: the few that only share a key's name)."""
 from __future__ import annotations
+
+import ast
+import functools
+from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
@@ -112,3 +118,117 @@ def test_required_values_of_an_option_stay_required():
     cfg = compose_config(["data=sharegpt", "model=llama3_8b"])
     assert OmegaConf.missing_keys(cfg) == {"data.input", "data.tokenizer", "model.target_path"}
     assert OmegaConf.missing_keys(compose_config(["data=sharegpt", "data.input=x"])) == {"data.tokenizer"}
+
+
+# ----------------------------------------------------------------------------- defaults restated in the package
+PKG = Path(__file__).resolve().parent.parent / "dflash_ray"
+# the data layer's name for a config key whose name differs (data/interleave.py's `strategy` is data.interleave)
+ALIASES = {"strategy": "interleave"}
+# names that share a key's leaf name and default but are not that key, each with what it is instead (a default
+# that must stay put whatever the key's default becomes)
+NOT_THE_KEY = {
+    "runtime/spec.py: RunSpec.features": "train.features resolved: online | hybrid | offline, never auto; online "
+                                         "until with_feature_cache answers",
+}
+
+
+@functools.cache
+def _leaf_defaults() -> dict[str, list]:
+    """A typed key's leaf name -> the defaults of the keys of that name."""
+    root = OmegaConf.structured(RootConfig)
+    found: dict[str, list] = {}
+    for key in LEAVES:
+        value = OmegaConf.select(root, key, throw_on_missing=False)
+        found.setdefault(key.rpartition(".")[2], []).append(
+            OmegaConf.to_container(value) if OmegaConf.is_config(value) else value)
+    return found
+
+
+def _named_defaults(tree: ast.AST, owner: str = ""):
+    """(owner.name, default node) of every parameter with a default and every annotated class attribute with a
+    value (a dataclass field; `field(default=...)` read through)."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            args = node.args
+            positional = args.posonlyargs + args.args
+            pairs = list(zip(positional[len(positional) - len(args.defaults):], args.defaults))
+            pairs += [(a, d) for a, d in zip(args.kwonlyargs, args.kw_defaults) if d is not None]
+            for arg, default in pairs:
+                yield f"{owner}{node.name}.{arg.arg}", default
+            yield from _named_defaults(node, f"{owner}{node.name}.")
+        elif isinstance(node, ast.ClassDef):
+            for st in node.body:
+                if isinstance(st, ast.AnnAssign) and isinstance(st.target, ast.Name) and st.value is not None:
+                    value = st.value
+                    if isinstance(value, ast.Call) and getattr(value.func, "id", None) == "field":
+                        value = next((k.value for k in value.keywords if k.arg == "default"), None)
+                    if value is not None:
+                        yield f"{owner}{node.name}.{st.target.id}", value
+            yield from _named_defaults(node, f"{owner}{node.name}.")
+
+
+def _related(name: str, leaf: str) -> bool:
+    """The parameter names the key: its leaf name, or that name with a prefix on either side
+    (cluster.token_block_mb <-> block_mb, eval.max_new_tokens <-> heldout_max_new_tokens)."""
+    name = ALIASES.get(name, name)
+    return name == leaf or leaf.endswith("_" + name) or name.endswith("_" + leaf)
+
+
+def restated_defaults(source: str, where: str = "") -> list[str]:
+    """Parameters and dataclass fields of `source` whose default is a literal equal to the default of a typed
+    key they name (_related). What it catches: a literal written where the config's default should be read
+    (`block_mb: float = 8.0` for cluster.token_block_mb). What it does not: a default computed from other
+    values, a parameter named unlike its key (unless in ALIASES), and the defaults that say nothing of their
+    own -- None, booleans, 0, 1 and "" (absence and switches, which many unrelated parameters share)."""
+    leaves = _leaf_defaults()
+    found = []
+    for name, node in _named_defaults(ast.parse(source)):
+        try:
+            value = ast.literal_eval(node)
+        except ValueError:
+            continue   # not a literal: read from somewhere (the config, a constant)
+        if value is None or isinstance(value, bool) or (isinstance(value, (int, float, str)) and value in (0, 1, "")):
+            continue
+        param = name.rpartition(".")[2]
+        if any(_related(param, leaf) and not isinstance(d, bool) and d == value
+               for leaf, defaults in leaves.items() for d in defaults):
+            found.append(f"{where}{name}")
+    return found
+
+
+def _package_restatements() -> set[str]:
+    found = set()
+    for path in sorted(PKG.rglob("*.py")):
+        if path != PKG / "config.py":   # the schema states them, once
+            found.update(restated_defaults(path.read_text(), f"{path.relative_to(PKG).as_posix()}: "))
+    return found
+
+
+def test_no_signature_restates_a_config_default():
+    found = _package_restatements() - NOT_THE_KEY.keys()
+    assert not found, f"these restate a config default; read it from the typed config instead: {sorted(found)}"
+
+
+def test_each_name_that_is_not_its_key_is_still_there():
+    gone = NOT_THE_KEY.keys() - _package_restatements()
+    assert not gone, f"no longer found (renamed, removed, or read from the config): take off NOT_THE_KEY: {sorted(gone)}"
+
+
+def test_the_restatement_finder_finds_the_plan_and_token_store_ones():
+    source = '''
+@dataclass
+class PlanSpec:
+    boundaries: list[int]
+    overlong: str = "truncate"
+    chunk_batches: int = field(default=64)
+    strategy: str = "default"
+    block_size: int = ModelConfig.block_size
+    min_tokens: int = 0
+    num_anchors: int | None = None
+
+def build_token_store(shards, vocab_size, block_mb: float = 8.0, cache_mb=256.0, ray_data=None):
+    def inner(key="local", attention_backend="auto", seed=0, block_mb=ClusterConfig.token_block_mb, cache_mb=64.0):
+        pass
+'''
+    assert restated_defaults(source) == ["PlanSpec.overlong", "PlanSpec.chunk_batches", "PlanSpec.strategy",
+                                         "build_token_store.block_mb", "build_token_store.cache_mb"]

@@ -20,7 +20,7 @@ from helpers_multinode import Cluster
 
 from dflash_ray.runtime.training.checkpoint_format import load_weights
 
-from dflash_ray.runtime.registered import latest_checkpoint
+from dflash_ray.runtime.checkpoints import RunCheckpoints
 from dflash_ray.runtime.record.ledger import read_jsonl
 from dflash_ray.runtime.training.faults import TEST_FAULTS_ENV
 
@@ -120,7 +120,7 @@ def test_losing_a_node_mid_run_finishes_on_the_rest_exactly_once(tiny_data, job_
         time.sleep(0.5)
     # Ray Train registers a checkpoint when its controller next polls the workers' reports: steps 5-9
     # can pass in a second (several batches a stream block), so wait until step 5 or 6 is registered
-    while latest_checkpoint(str(tmp_path / "shared_storage" / "loss"))[0].step < 5:
+    while RunCheckpoints(str(tmp_path / "shared_storage" / "loss")).latest()[0].step < 5:
         assert job.poll() is None and time.time() < deadline, log.read_text()[-4000:]
         time.sleep(0.5)
     cluster.kill_worker(0)

@@ -63,13 +63,13 @@ def test_kills_then_resume_with_fewer_workers_match_uninterrupted(job_run, train
     def inject(name):
         coord = run_record(name)
         wait_for(lambda: step_of(coord) >= 2, 300, "step 2")
-        pid = next(iter(ray.get(coord.targets_pids.remote()).values()))
+        pid = next(iter(ray.get(coord.progress.remote())["pids"]["targets"].values()))
         os.kill(pid, signal.SIGKILL)                       # a target actor, mid-epoch
         killed["target"] = pid
         run_dir = Path(train_run.root) / name
         wait_for(lambda: any(e["event"] == "test_fault" for e in read_jsonl(run_dir / "events.jsonl")), 300,
                  "rank 0 inside the step-8 checkpoint")
-        pid = ray.get(coord.worker_pids.remote())[1]
+        pid = ray.get(coord.progress.remote())["pids"]["workers"][1]
         os.kill(pid, signal.SIGKILL)                       # a trainer worker, steps 6 and 7 not checkpointed
         killed["trainer"] = pid
 

@@ -1,4 +1,5 @@
-"""The optimizer step without Ray (runtime/training/step.py) and the row schema (runtime/stream/rows.py), in one process.
+"""The optimizer step without Ray (runtime/training/step.py), its LR schedule (runtime/training/model.py) and the row
+schema (runtime/stream/rows.py), in one process.
 
 The step's loss is sum(loss_sum) / sum(weight_sum) over every batch of the step: the expected update is
 computed here from the drafter's own training loss with plain autograd, independently of train_step's
@@ -17,7 +18,7 @@ import torch
 from dflash_ray.model.drafter import DrafterConfig
 from dflash_ray.model.target import build_synthetic_target, load_target
 from dflash_ray.runtime.stream.rows import FILLER, TrainRow, decode_features, encode_features, token_row
-from dflash_ray.runtime.training.model import LossModule
+from dflash_ray.runtime.training.model import LossModule, lr_lambda
 from dflash_ray.runtime.training.step import StepStats, batch_seed, train_step
 from helpers_model import TINY_QWEN3, tiny_step_drafter
 
@@ -209,3 +210,10 @@ def test_the_optimizer_is_the_fused_adamw_on_cuda_only(drafter_and_width):
     drafter = copy.deepcopy(drafter_and_width[0])
     opt, _ = make_optimizer(SimpleNamespace(lr=1e-3, weight_decay=0.0, warmup_ratio=0.0), drafter, 10)
     assert isinstance(opt, torch.optim.AdamW) and not opt.defaults["fused"]
+
+
+def test_lr_schedule_warmup_then_cosine_to_zero():
+    f = lr_lambda(100, 0.04)
+    assert [round(f(s), 3) for s in range(5)] == [0.25, 0.5, 0.75, 1.0, 1.0]
+    assert f(52) == pytest.approx(0.5, abs=0.02) and f(100) == pytest.approx(0.0, abs=1e-9)
+    assert all(f(s) >= f(s + 1) for s in range(4, 100))

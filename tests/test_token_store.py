@@ -116,3 +116,17 @@ def test_in_memory_store_cuts_pads_and_spans_blocks():
     ids, mask = store.batch(np.array([6, 9, 4]), np.array([2, 2, 1]), pad_id=0)
     assert ids.tolist() == [[5, 6], [1, 2], [4, 0]]
     assert mask.tolist() == [[1, 0], [0, 1], [1, 0]]
+
+
+def test_token_store_pads_and_truncates():
+    from dflash_ray.runtime.stream.token_store import TokenStore
+
+    table = pa.table({"sample_id": pa.array([7, 3], pa.int64()),
+                      "input_ids": pa.array([[1, 2, 3, 4], [5, 6]], pa.list_(pa.int32())),
+                      "loss_mask": pa.array([[0, 1, 1, 1], [1, 1]], pa.list_(pa.int8())),
+                      "num_tokens": pa.array([4, 2], pa.int32())})
+    store = TokenStore.from_table(table, rows_per_block=1)   # two blocks
+    ids, mask = store.batch(np.array([7, 3]), np.array([3, 2]), pad_id=0)   # sample 7 truncated to 3
+    assert ids.tolist() == [[1, 2, 3], [5, 6, 0]] and mask.tolist() == [[0, 1, 1], [1, 1, 0]]
+    with pytest.raises(KeyError):
+        store.batch(np.array([5]), np.array([1]), pad_id=0)

@@ -167,11 +167,11 @@ def wandb_by_key(rows) -> dict:
 
 # ----------------------------------------------------------------------------- the rule, no main job
 def commit(c, step, loss, buckets=(0, 2)):
-    c.commit_step(c.gen, {"epoch": 0, "step": step, "positions": [2 * step - 2, 2 * step - 1], "buckets": list(buckets),
-                          "tokens": [10, 20]},
-                  {"step": step, "epoch": 0, "loss": loss, "tokens": 30, "lr": 1e-3 * step, "grad_norm": 0.5,
-                   "slot_accuracy": [0.5, 0.25], "train_tau": 1.5, "wait_seconds": 0.01, "compute_seconds": 0.2,
-                   "checkpoint_upload": "async"})
+    c.commit_steps(c.gen, [({"epoch": 0, "step": step, "positions": [2 * step - 2, 2 * step - 1],
+                             "buckets": list(buckets), "tokens": [10, 20]},
+                            {"step": step, "epoch": 0, "loss": loss, "tokens": 30, "lr": 1e-3 * step, "grad_norm": 0.5,
+                             "slot_accuracy": [0.5, 0.25], "train_tau": 1.5, "wait_seconds": 0.01,
+                             "compute_seconds": 0.2, "checkpoint_upload": "async"})])
 
 
 def test_each_step_is_logged_once_across_a_restart_and_a_rerun(ray_session, tmp_path):
@@ -185,22 +185,22 @@ def test_each_step_is_logged_once_across_a_restart_and_a_rerun(ray_session, tmp_
     opts = {"project": "unit", "mlflow_tracking_uri": uri, "wandb_mode": "offline"}
     c = RunRecord(str(run), "r", trackers=ALL, tracker_options=opts,
                        params={"train.lr": 0.001, "train.max_steps": 5, "plan.bucket_boundaries": "[32, 64]"})
-    c.begin_attempt(0, 2, attempt=1, restarted=False)
+    c.begin_attempt(0, 2)
     c.target_started("actor-a", 1, "node")
     for step in range(1, 5):
-        c.target_batch("actor-a", 0.01, 100, 1)
+        c.target_batches("actor-a", [(0.01, 100, 1, -1, 0, False, 1)])   # one computed batch of bucket 1
         commit(c, step, 10.0 - step)
         if step == 2:
-            c.checkpoint_done(2, 0.75, attempt=1, upload="async", write_seconds=0.5, nbytes=10)
+            c.checkpoint(1, 2, {"seconds": 0.75, "upload": "async", "write_seconds": 0.5, "bytes": 10})
     for st, tau in ((4, 2.5), (2, 1.75)):     # two held-out evaluations end between two steps, out of order
         c.trackers.log_eval(st, {"heldout/tau": tau})
-    c.begin_attempt(2, 2, attempt=2, restarted=True)               # restart: steps 3, 4 again
+    assert c.begin_attempt(2, 2)["restarted"]                       # restart: steps 3, 4 again
     for step in range(3, 6):
         commit(c, step, 100.0 + step, buckets=(1, -1))
     c.close()
     c2 = RunRecord(str(run), "r", trackers=ALL, tracker_options=opts,
                         params={"train.lr": 0.001, "train.max_steps": 7, "plan.bucket_boundaries": "[32, 64]"})
-    c2.begin_attempt(5, 2, attempt=1, restarted=False)
+    assert c2.begin_attempt(5, 2)["attempt"] == 1
     for step in (6, 7):
         commit(c2, step, 10.0 - step)
     c2.close()

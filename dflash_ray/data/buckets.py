@@ -23,6 +23,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dflash_ray.config import DataConfig
+
 
 @dataclass
 class Bucketing:
@@ -33,7 +35,7 @@ class Bucketing:
     dropped_short: int
 
 
-def assign_buckets(num_tokens: np.ndarray, boundaries, *, overlong: str = "truncate",
+def assign_buckets(num_tokens: np.ndarray, boundaries, *, overlong: str = DataConfig.overlong,
                    min_tokens: int = 0) -> Bucketing:
     """Bucket id of every sample. Over the last boundary: truncated to it or dropped; under min_tokens
     (too short to hold 2 blocks): dropped. Both are counted."""

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from dflash_ray.config import FORMATS, ON_BAD_ROW  # noqa: F401  (re-exported: the readers' choices)
+from dflash_ray.config import FORMATS, ON_BAD_ROW, DataConfig  # noqa: F401  (re-exported: the readers' choices)
 from dflash_ray.errors import UserError
 
 __all__ = ["FORMATS", "ON_BAD_ROW", "ROLE_MAP", "EMPTY_LINE", "BadRows", "Chunk", "Conversation", "expand_inputs",
@@ -486,7 +486,7 @@ def _detect(row: dict) -> tuple[str, str, object]:
     return "conversations", "conversations", conv
 
 
-def _normalise(row, format: str = "auto") -> tuple[str, list[dict], list | None]:
+def _normalise(row, format: str) -> tuple[str, list[dict], list | None]:
     """(format, messages, tools) of one parsed row; raises _Bad (reason, detail) for a bad row."""
     if not isinstance(row, dict):
         kind = "null" if row is None else type(row).__name__
@@ -509,7 +509,7 @@ def _normalise(row, format: str = "auto") -> tuple[str, list[dict], list | None]
     return found, messages, _tools(row.get("tools"))
 
 
-def normalise_row(row, format: str = "auto") -> tuple[list[dict], list | None]:
+def normalise_row(row, format: str = DataConfig.format) -> tuple[list[dict], list | None]:
     """(messages, tools) of one parsed row, normalised as for prepare (ShareGPT's system prompt first, tools
     kept); ValueError saying what is wrong for a bad row."""
     try:
@@ -546,7 +546,7 @@ def _conversations(path: str, rows: Iterator[tuple[int, object]], base: int, for
         yield Conversation(messages, tools, path, row, base + row, found, fields)
 
 
-def iter_conversations(spec, format: str = "auto", on_bad_row: str = "fail",
+def iter_conversations(spec, format: str = DataConfig.format, on_bad_row: str = DataConfig.on_bad_row,
                        report: BadRows | None = None, keep_fields: bool = False) -> Iterator[Conversation]:
     """Every conversation of the inputs named by `spec` (see expand_inputs), normalised, in input order.
 
@@ -665,7 +665,7 @@ def _read_chunk(chunk: Chunk) -> Iterator[tuple[int, object]]:
         yield from _read(path)
 
 
-def iter_chunk(chunk: Chunk, format: str = "auto", on_bad_row: str = "fail",
+def iter_chunk(chunk: Chunk, format: str = DataConfig.format, on_bad_row: str = DataConfig.on_bad_row,
                report: BadRows | None = None) -> Iterator[Conversation]:
     """The conversations of one chunk: the same objects, ids and bad-row handling as iter_conversations."""
     _check_choices(format, on_bad_row)

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from dflash_ray.config import STRATEGIES  # the strategies by name (the config checks the choice)
+from dflash_ray.config import STRATEGIES, DataConfig  # the strategies by name (the config checks the choice)
 
 _SALT = {name: i for i, name in enumerate(STRATEGIES)}
 
 
-def interleave_order(batch_counts, *, strategy: str = "default", seed: int = 0, epoch: int = 0) -> np.ndarray:
+def interleave_order(batch_counts, *, strategy: str = DataConfig.interleave, seed: int = 0,
+                     epoch: int = 0) -> np.ndarray:
     """Bucket id of every position of the epoch: an int32 array of length sum(batch_counts)."""
     raw = np.asarray(batch_counts).reshape(-1)
     counts = raw.astype(np.int64)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pyarrow as pa
 
-from dflash_ray.config import check_plan_rules
+from dflash_ray.config import DataConfig, ModelConfig, check_plan_rules
 from dflash_ray.data.buckets import assign_buckets, form_batches
 from dflash_ray.data.interleave import interleave_order, order_measures
 from dflash_ray.errors import UserError
@@ -32,12 +32,13 @@ from dflash_ray.hf_config import text_config
 class PlanSpec:
     boundaries: list[int]
     max_tokens_per_batch: int
-    overlong: str = "truncate"
-    chunk_batches: int = 64
+    # the config's defaults (config.py), for a PlanSpec built by hand
+    overlong: str = DataConfig.overlong
+    chunk_batches: int = DataConfig.chunk_batches
     min_tokens: int = 0           # 2 * block_size: shorter samples cannot hold two blocks
-    strategy: str = "default"
+    strategy: str = DataConfig.interleave
     attention_tokens: float | None = None   # La of buckets.rows_per_batch; None: token budget only
-    block_size: int = 16                    # the drafter's side of a batch (reported; the step enforces it)
+    block_size: int = ModelConfig.block_size   # the drafter's side of a batch (reported; the step enforces it)
     num_anchors: int | None = None          # anchors per row at most
     anchors_per_batch: int | None = None    # thinning: anchors per batch at most (None: num_anchors per row only)
     max_block_tokens_per_batch: int | None = None  # the drafter's budget per batch, cut by the plan (None: none)

@@ -23,6 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from dflash_ray.atomic import atomic_dir
+from dflash_ray.config import DataConfig
 from dflash_ray.data.formats import BadRows, count_rows, expand_inputs, iter_chunk, iter_conversations, where
 from dflash_ray.data.report import ProgressCount, format_drops
 from dflash_ray.data.shards import PREPARED_SCHEMA
@@ -109,12 +110,12 @@ def options_from_config(cfg) -> dict:
 @dataclass(frozen=True)
 class Options:
     """What prepare does with each conversation (the data.* config keys)."""
-    shard_size: int = 10000
+    shard_size: int = DataConfig.shard_size
     min_supervised: int = 0
     vocab_size: int | None = None
-    format: str = "auto"
-    on_bad_row: str = "fail"
-    turns: str = "all"
+    format: str = DataConfig.format
+    on_bad_row: str = DataConfig.on_bad_row
+    turns: str = DataConfig.turns
     template_kwargs: dict | None = None
     heldout_fraction: float = 0.0
 

@@ -56,7 +56,7 @@ def read_prompts(path: str, tok, limit: int, template_kwargs: dict | None = None
             elif isinstance(row, dict) and ("conversations" in row or "messages" in row or "prompt" in row):
                 if "conversations" in row or "messages" in row:
                     try:
-                        conv, tools = normalise_row(row)
+                        conv, tools = normalise_row(row, "auto")   # a prompt row's own shape, not data.format
                     except ValueError as e:
                         raise UserError(f"{src}: line {lineno}: {e}") from None
                 else:

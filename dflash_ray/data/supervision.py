@@ -38,6 +38,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from dflash_ray.config import DataConfig
+
 TURNS = ("all", "last")
 # Where a generated answer calls a tool, by model family: Hermes / Qwen2.5 / Qwen3 (<tool_call>), Llama 3.1
 # (<|python_tag|>), Mistral ([TOOL_CALLS]), Kimi K2, DeepSeek V3. Llama 3's bare-JSON calls carry no marker.
@@ -170,7 +172,7 @@ def _generated_end(text: str, start: int) -> int:
 
 
 def supervise(tok, messages: list[dict], tools=None, *, template_kwargs: dict | None = None,
-              turns: str = "all") -> Supervision:
+              turns: str = DataConfig.turns) -> Supervision:
     """The training rows of one conversation (see the module docstring). Raises whatever the template
     raises (e.g. jinja2's "roles must alternate"): the caller reports it as a bad row."""
     rendering = Rendering(tok, template_kwargs)

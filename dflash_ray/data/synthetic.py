@@ -8,6 +8,8 @@ from pathlib import Path
 
 import numpy as np
 
+from dflash_ray.config import SyntheticConfig
+
 SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -42,8 +44,9 @@ def _task(rng: np.random.Generator, target_words: int) -> tuple[str, str]:
     return f"Repeat {' '.join(phrase)} {times} times.", " ".join(phrase * times)
 
 
-def write_corpus(path: str | os.PathLike, num_conversations: int, *, min_tokens: int = 48,
-                 max_tokens: int = 512, seed: int = 0) -> Path:
+def write_corpus(path: str | os.PathLike, num_conversations: int, *,
+                 min_tokens: int = SyntheticConfig.min_tokens, max_tokens: int = SyntheticConfig.max_tokens,
+                 seed: int = 0) -> Path:
     """A long-tailed (log-normal) mix of conversation lengths between about min and max tokens."""
     rng = np.random.default_rng(seed)
     path = Path(path)

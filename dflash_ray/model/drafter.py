@@ -21,6 +21,7 @@ from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
+from dflash_ray.config import ModelConfig
 from dflash_ray.hf_config import text_config
 
 from .attention import training_mask
@@ -131,8 +132,8 @@ def drafter_config(target_hf_config, num_draft_layers: int, block_size: int, mas
 
 class DFlashDrafter(DraftCore, nn.Module):
     def __init__(self, config: Qwen3Config, embed_weight: torch.Tensor, head_weight: torch.Tensor,
-                 num_anchors: int = 512, loss_gamma: float | None = None, attention_backend: str = "auto",
-                 ce_chunk_rows: int = 1024, anchors_per_batch: int | None = None):
+                 num_anchors: int = ModelConfig.num_anchors, loss_gamma: float | None = None,
+                 attention_backend: str = "auto", ce_chunk_rows: int = 1024, anchors_per_batch: int | None = None):
         super().__init__()
         self._build_core(config)   # the layers, fc, norms, RoPE and the DFlash fields (draft_core.py)
         self.num_anchors = int(num_anchors)

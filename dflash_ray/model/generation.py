@@ -37,6 +37,8 @@ import numpy as np
 import torch
 from transformers import StoppingCriteria
 
+from dflash_ray.config import RegenerateConfig
+
 TRAINED_MARKER = "dflash_demo_training.json"
 
 
@@ -260,10 +262,11 @@ class TurnWalk:
 class Regenerator:
     """Regenerates conversations with a target (greedy by default, batched). Reused across batches of a job."""
 
-    def __init__(self, target_dir: str, rendering, *, max_new_tokens: int, batch_size: int = 32,
-                 on_max_tokens: str = "drop", device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
-                 loop_min_span: int = LOOP_MIN_SPAN, loop_max_period: int = LOOP_MAX_PERIOD, engine: str = "batched",
-                 sampling: dict | None = None):
+    def __init__(self, target_dir: str, rendering, *, max_new_tokens: int,
+                 batch_size: int = RegenerateConfig.batch_size, on_max_tokens: str = RegenerateConfig.on_max_tokens,
+                 device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+                 loop_min_span: int = LOOP_MIN_SPAN, loop_max_period: int = LOOP_MAX_PERIOD,
+                 engine: str = RegenerateConfig.engine, sampling: dict | None = None):
         from dflash_ray.model.target import load_target
 
         if on_max_tokens not in ON_MAX_TOKENS:

@@ -24,6 +24,7 @@ import os
 import time
 from concurrent.futures import ThreadPoolExecutor
 
+from dflash_ray.config import RegenerateConfig
 from dflash_ray.model.generation import (LOOP_MAX_PERIOD, LOOP_MIN_SPAN, ON_MAX_TOKENS, TurnWalk,
                                          declared_end_token_ids, first_loop, sampling_options)
 
@@ -40,8 +41,9 @@ class ServerGone(Exception):
 class Completions:
     """One server's `/completions`, with retries; thread-safe (one requests.Session per thread)."""
 
-    def __init__(self, url: str, *, model: str | None = None, api_key: str | None = None, max_retries: int = 5,
-                 timeout_s: float = 600.0, backoff_s: float = 0.5):
+    def __init__(self, url: str, *, model: str | None = None, api_key: str | None = None,
+                 max_retries: int = RegenerateConfig.max_retries, timeout_s: float = RegenerateConfig.timeout_s,
+                 backoff_s: float = 0.5):
         import threading
 
         self.base = url.rstrip("/")
@@ -122,8 +124,10 @@ class HttpRegenerator:
     server. No model is loaded: the target directory gives the context length and the end tokens."""
 
     def __init__(self, target_dir: str | None, rendering, *, url: str, served_model: str | None = None,
-                 api_key_env: str = "OPENAI_API_KEY", max_new_tokens: int, on_max_tokens: str = "drop",
-                 concurrency: int = 8, max_retries: int = 5, timeout_s: float = 600.0, sampling: dict | None = None,
+                 api_key_env: str = RegenerateConfig.api_key_env, max_new_tokens: int,
+                 on_max_tokens: str = RegenerateConfig.on_max_tokens, concurrency: int = RegenerateConfig.concurrency,
+                 max_retries: int = RegenerateConfig.max_retries, timeout_s: float = RegenerateConfig.timeout_s,
+                 sampling: dict | None = None,
                  loop_min_span: int = LOOP_MIN_SPAN, loop_max_period: int = LOOP_MAX_PERIOD, backoff_s: float = 0.5):
         if on_max_tokens not in ON_MAX_TOKENS:
             raise ValueError(f"on_max_tokens: {on_max_tokens!r} is not one of {', '.join(ON_MAX_TOKENS)}")

@@ -1,14 +1,13 @@
-"""RunCoordinator: the flight window and the attempt/segment bookkeeping of a run, one async actor pinned
-to the driver's node that outlives trainer restarts. What the run writes is the RunRecord's
-(record/record.py); this actor only decides when the stream may move on.
+"""RunCoordinator: the flight window of a run, one async actor pinned to the driver's node that outlives
+trainer restarts. What the run writes, and the count of its attempts, segments and streams, is the
+RunRecord's (record/record.py); this actor only decides when the stream may move on.
 
 * the flight window: a block of batches enters the pipeline (tokens joined, then target forwards) only
   when its last feed row index < consumed + window (cluster.max_batches_in_flight; with blocks of several
   tiny batches, a step and two rounds of blocks: see reset_feed), so the object store never holds more
   than that many batches' features, and the rows a step needs always fit: the window cannot deadlock.
-  Each stream (a first start, a restart, the next stream segment) is a new generation of row indices.
-* attempts: every start of the train function (a restart is a start after the first of its segment), and
-  the stream segments of a run (runtime/fit.py stream_segments: one fit per segment of feed rows).
+  Each stream (a first start, a restart, the next stream segment) is a new generation of row indices,
+  numbered by the record (RunRecord.new_stream) and handed to `reset_feed`.
 """
 from __future__ import annotations
 
@@ -24,23 +23,20 @@ class RunCoordinator:
         self.window = self.base_window
         self.rows_per_block = 1
         self.cond = asyncio.Condition()
-        self.gen = 0
+        self.gen = 0                  # the stream whose window this is (the record numbers them)
         self.consumed = 0             # feed rows trained, in the current generation
         self.admitted = -1            # highest feed row index admitted, current generation
         self.max_in_flight = 0
         self.feed: dict = {}
-        self.attempts = 0             # train-function starts, over the whole run (checkpoint records name them)
-        self.segments = 0             # fits of the run (stream segments)
-        self.segment_attempts = 0     # starts within the current segment (restarts = segment_attempts - 1)
         self.first_admit: dict[str, float] = {}   # time.time() of each stream's first admitted block
         self.tags = {"run": run_name}
         self.in_flight = Gauge("dflash_batches_in_flight", description="batches admitted to the pipeline and "
                                "not yet trained", tag_keys=("run",))
 
     # ------------------------------------------------------------ the flight window
-    async def reset_feed(self, total_steps: int, cursor: dict, batches_per_step: int, schedule_steps: int = 0,
-                         rows_per_block: int = 1, world: int = 1) -> int:
-        """A new Ray Data stream starts (first start or a restart): a new generation of row indices.
+    async def reset_feed(self, gen: int, total_steps: int, cursor: dict, batches_per_step: int,
+                         schedule_steps: int = 0, rows_per_block: int = 1, world: int = 1) -> None:
+        """A new Ray Data stream starts (first start or a restart): generation `gen` of row indices.
         A block (one rank's next `rows_per_block` rows) is admitted by its last row, and the stream hands
         blocks out a round (one per rank) at a time: with blocks of several rows the window holds a step
         and two rounds (or cluster.max_batches_in_flight, when larger), so the round a step needs always
@@ -56,13 +52,12 @@ class RunCoordinator:
                 needed = batches_per_step + 2 * g * world
                 self.window = max(self.base_window, needed + g)
                 slack = self.window - needed
-            self.gen += 1
+            self.gen = int(gen)
             self.consumed, self.admitted = 0, -1
             self.feed = {"gen": self.gen, "total_steps": total_steps, "cursor": dict(cursor),
                          "batches_per_step": batches_per_step, "schedule_steps": schedule_steps or total_steps,
                          "report_slack_rows": slack}
             self.cond.notify_all()
-            return self.gen
 
     def feed_info(self) -> dict:
         return dict(self.feed)
@@ -86,20 +81,8 @@ class RunCoordinator:
                 self.in_flight.set(max(self.admitted + 1 - self.consumed, 0), tags=self.tags)
                 self.cond.notify_all()
 
-    # ------------------------------------------------------------ attempts and stream segments
-    def begin_segment(self) -> None:
-        """A fit of the next stream segment of the run starts: its first worker group is no restart."""
-        self.segments += 1
-        self.segment_attempts = 0
-
-    def begin_attempt(self) -> dict:
-        """Rank 0 of a (re)started worker group: its attempt number, and whether it is a restart."""
-        self.attempts += 1
-        self.segment_attempts += 1
-        return {"attempt": self.attempts, "restarted": self.segment_attempts > 1}
-
     def report(self) -> dict:
-        return {"attempts": self.attempts, "segments": self.segments, "max_batches_in_flight": self.max_in_flight,
+        return {"max_batches_in_flight": self.max_in_flight,
                 "window": self.window, "rows_per_block": self.rows_per_block, "first_admit": dict(self.first_admit)}
 
 

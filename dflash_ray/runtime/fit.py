@@ -74,7 +74,7 @@ def fit(run_spec, plans, *, progress: bool = True) -> FitOutcome:
     from ray.train import CheckpointConfig, FailureConfig, RunConfig, ScalingConfig, TrainingFailedError
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from dflash_ray.runtime.registered import remove_unregistered_checkpoints
+    from dflash_ray.runtime.checkpoints import RunCheckpoints
     from dflash_ray.runtime.training.faults import faults_for_tests
     from dflash_ray.runtime.training.loop import train_loop_per_worker
     from dflash_ray.runtime.stream.node_local import NodeLocalDataConfig
@@ -85,13 +85,15 @@ def fit(run_spec, plans, *, progress: bool = True) -> FitOutcome:
     run_spec = _fresh_coordinator(run_spec)
     c, t = run_spec.cluster, run_spec.train
     coord, record = start_run_actors(run_spec)
+    checkpoints = RunCheckpoints(run_spec.experiment_dir)
     t0 = time.time()
     try:   # a previous driver's never-registered checkpoints: whole checkpoints' bytes nothing will read
-        removed, error = remove_unregistered_checkpoints(run_spec.experiment_dir), None
+        removed, error = checkpoints.remove_unregistered(), None
     except OSError as e:  # storage trouble shows (with its own line) when the run next writes there
         removed, error = [], str(e)
     if removed or error:
-        ray.get(record.checkpoints_removed.remote(removed, error))
+        ray.get(record.event.remote("unregistered_checkpoints_removed", dirs=list(removed),
+                                    **({"error": error} if error else {})))
     store, store_info = build_token_store(run_spec.shards, run_spec.vocab_size, block_mb=c.token_block_mb,
                                           cache_mb=c.token_cache_mb)
     tokens_ref = ray.put(store)
@@ -103,8 +105,8 @@ def fit(run_spec, plans, *, progress: bool = True) -> FitOutcome:
     if run_spec.features == "offline":   # the target's pass first, on every target slot (stream/offline.py)
         from dflash_ray.runtime.stream.offline import compute_offline_features
 
-        offline = compute_offline_features(run_spec, DatasetFactory(run_spec, plans, tokens_ref).feed().table,
-                                           tokens_ref)
+        feed = DatasetFactory(run_spec, plans, tokens_ref, checkpoints).feed()
+        offline = compute_offline_features(run_spec, feed.table, tokens_ref)
 
     def trainer_for(spec):
         return TorchTrainer(
@@ -122,24 +124,24 @@ def fit(run_spec, plans, *, progress: bool = True) -> FitOutcome:
                 checkpoint_config=CheckpointConfig(num_to_keep=t.num_to_keep),
                 failure_config=FailureConfig(max_failures=t.max_failures)),
             datasets={"train": ray.data.range(1)},   # a placeholder: the streams are built per node by the config
-            dataset_config=NodeLocalDataConfig(DatasetFactory(spec, plans, tokens_ref), exec_opts),
+            dataset_config=NodeLocalDataConfig(DatasetFactory(spec, plans, tokens_ref, checkpoints), exec_opts),
         )
 
     failure = result = None
     try:
         with Progress(record, enabled=progress):
-            for spec in stream_segments(run_spec, plans, coord, record):
+            for spec in stream_segments(run_spec, plans, checkpoints, record):
                 try:
                     result = trainer_for(spec).fit()
                 except TrainingFailedError as e:  # Ray Train gave up: after train.max_failures restarts
                     failure = e
                     break
-                if result.error is not None or ray.get(record.report_stopped.remote()):
+                if result.error is not None or ray.get(record.progress.remote())["stopped"]:
                     break
         report, flight = ray.get([record.report.remote(), coord.report.remote()])
         admits = {k: round(t - report["started"], 3) for k, t in flight.pop("first_admit").items()}
         report = {**report, **flight, "timeline": {**report["timeline"], **admits}, "token_store": store_info.as_dict(),
-                  "offline_features": offline}
+                  "offline_features": offline, "removed_checkpoints": list(removed)}
         ray.get(record.close.remote())
     finally:
         ray.kill(coord)  # the names are free for a rerun of this run from this process
@@ -153,7 +155,7 @@ def fit(run_spec, plans, *, progress: bool = True) -> FitOutcome:
     return FitOutcome(report=report, started=t0, wall_seconds=time.time() - t0)
 
 
-def stream_segments(run_spec, plans, coord, record):
+def stream_segments(run_spec, plans, checkpoints, record):
     """The run as a series of Ray Train fits of at most `train.stream_segment_blocks` stream blocks each (0: one
     fit for the whole run). Ray Data keeps state for every block of a stream (its split coordinator grows
     ~25 KB a block: benchmarks/bench_load.py), so one stream over the 280K one-row blocks of a seed-size GPU
@@ -161,24 +163,24 @@ def stream_segments(run_spec, plans, coord, record):
     block 64 at a time and never need a second segment). A segment ends at a step with a checkpoint (the loop
     checkpoints at its last step) and the next fit resumes from it exactly, as a restart does: its cost is a
     worker group's and the target actors' start and a restore (benchmarks/gpu_ray_check.py measures it).
-    Yields the spec of each segment (train.max_steps = its last step). ("Segment", not "window": the flight
-    window is the coordinator's bound on batches in flight.)"""
+    Yields the spec of each segment (train.max_steps = its last step), each begun in the run record (which
+    counts its attempts). ("Segment", not "window": the flight window is the coordinator's bound on batches
+    in flight.) `checkpoints`: the run's RunCheckpoints, where each segment starts."""
     import dataclasses
 
     import ray
 
     from dflash_ray.runtime.cluster import check_object_stores
     from dflash_ray.runtime.stream.pipeline import node_resources, stream_store_need
-    from dflash_ray.runtime.registered import latest_checkpoint
     from dflash_ray.runtime.stream.pipeline import DatasetFactory
 
-    feed = DatasetFactory(run_spec, plans, None).feed()   # every epoch's plan built here
+    feed = DatasetFactory(run_spec, plans, None, checkpoints).feed()   # every epoch's plan built here
     run_end = feed.total_steps
     c = run_spec.cluster
     need = stream_store_need(run_spec, feed, node_resources())
     ray.get(record.event.remote("stream_store_need", **need))
     check_object_stores(need, c.use_gpu, c.target_resource, record)
-    ray.get([coord.begin_segment.remote(), record.set_run_total_steps.remote(run_end)])
+    ray.get(record.begin_segment.remote(run_end))
     blocks = run_spec.train.stream_segment_blocks
     if blocks <= 0:
         yield run_spec
@@ -186,13 +188,13 @@ def stream_segments(run_spec, plans, coord, record):
     per_segment = max(1, blocks * need["rows_per_block"] // run_spec.batches_per_step)
     start, first = None, True
     while True:
-        now = latest_checkpoint(run_spec.experiment_dir)[0].step
+        now = checkpoints.latest()[0].step
         if not first and (now >= run_end or now == start):   # done, or the last segment made no progress
             return
         start = now
         end = min(run_end, start + per_segment)
         if not first:
-            ray.get(coord.begin_segment.remote())
+            ray.get(record.begin_segment.remote(run_end))
         first = False
         yield dataclasses.replace(run_spec, train=dataclasses.replace(run_spec.train, max_steps=end))
         if end >= run_end:
@@ -206,10 +208,10 @@ def _one_line(text: str, limit: int = 300) -> str:
 
 def resume_point(run_spec) -> str:
     """Where a rerun of this run.name starts: the latest checkpoint Ray Train registered (complete)."""
-    from dflash_ray.runtime.registered import latest_checkpoint
+    from dflash_ray.runtime.checkpoints import RunCheckpoints
 
     try:
-        cursor, checkpoint = latest_checkpoint(run_spec.experiment_dir)
+        cursor, checkpoint = RunCheckpoints(run_spec.experiment_dir).latest()
     except Exception as e:  # noqa: BLE001 - the storage itself may be what failed
         return f"the run's checkpoints could not be read ({_one_line(e, 120)})"
     if checkpoint is None:
@@ -223,9 +225,9 @@ def _cause(run_spec, failures: list) -> str:
     others' errors are its echoes), then any other exception."""
     import ray.exceptions
 
-    from dflash_ray.runtime.registered import filesystem
+    from dflash_ray.runtime.checkpoints import RunCheckpoints
 
-    storage_dir = filesystem(run_spec.experiment_dir)[1]
+    storage_dir = RunCheckpoints(run_spec.experiment_dir).storage_path
     for e in failures:   # naming the run's storage, or a full disk that is not the local temporary directory
         if isinstance(e, OSError) and (storage_dir in str(e) or run_spec.experiment_dir in str(e) or (
                 e.errno in (errno.ENOSPC, errno.EDQUOT) and "dflash-ckpt-" not in str(e))):

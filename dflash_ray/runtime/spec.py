@@ -21,7 +21,7 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
-from dflash_ray.config import ClusterConfig, TrainConfig, compute_dtype_why, require
+from dflash_ray.config import ClusterConfig, EvalConfig, TrainConfig, compute_dtype_why, require
 from dflash_ray.data.plan import Plan, PlanSpec, batch_anchor_cap, build_plan
 from dflash_ray.errors import UserError
 from dflash_ray.model.drafter import DrafterConfig
@@ -45,7 +45,7 @@ class RunSpec:
     cluster: ClusterConfig
     coordinator: str                # name of the RunCoordinator actor
     heldout: str | None = None      # held-out prompts (.jsonl) for tau after training; None: not measured
-    heldout_max_new_tokens: int = 64
+    heldout_max_new_tokens: int = EvalConfig.max_new_tokens
     heldout_max_prompts: int = 1 << 30   # eval.max_prompts: the held-out prompts measured at most
     heldout_training_prompts: int | None = None   # eval.during_training_prompts: the in-training evaluations' (None: all)
     chat_template_kwargs: dict | None = None   # data.chat_template_kwargs: conversation prompts rendered as served
@@ -122,6 +122,7 @@ def resolve_spec(cfg, log=print, *, inputs: bool = True, record: bool = True) ->
     from dflash_ray.data.shards import scan_shards
     from dflash_ray.model.target import default_mask_token_id, default_target_layer_ids, missing_weights
     from dflash_ray.runtime.record.run_inputs import check_run_inputs, first_start
+    from dflash_ray.runtime.checkpoints import RunCheckpoints
 
     run_dir = Path(cfg.run.dir).resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -172,13 +173,16 @@ def resolve_spec(cfg, log=print, *, inputs: bool = True, record: bool = True) ->
     storage = train.storage_path or str(layout.ray_train)
     if "://" not in str(storage):
         storage = str(Path(storage).resolve())
+    checkpoints = RunCheckpoints(f"{storage.rstrip('/')}/{cfg.run.name}")
+    resuming = None   # read once, when first needed
     scan = None
     if inputs:
         # one pass over the shards, each footer read once: shards prepared with another tokenizer (ids past
         # the target's embedding, from footer statistics; the full per-row validation runs again when
         # training reads the tokens), the samples' lengths and the files' layout for the run's record, and
         # at a run's first start the tokens' digest too (run_inputs.check_run_inputs)
-        first = record and first_start(run_dir, f"{storage.rstrip('/')}/{cfg.run.name}")
+        resuming = record and checkpoints.exists()
+        first = record and first_start(run_dir, resuming)
         scan = scan_shards(cfg.data.shards, target_vocab, contents=first,
                            hint=f" of the target at {target_path}: were the shards prepared with another tokenizer?")
     mask_id = m.mask_token_id if m.mask_token_id is not None else default_mask_token_id(target_vocab, tok)
@@ -211,7 +215,8 @@ def resolve_spec(cfg, log=print, *, inputs: bool = True, record: bool = True) ->
         target_hidden_size=int(getattr(tcfg, "hidden_size", 0) or 0),
         compute_dtype=dtype)
     if record:
-        check_run_inputs(spec, tcfg, scan, log=log)
+        check_run_inputs(spec, tcfg, scan, log=log,
+                         resuming=checkpoints.exists() if resuming is None else resuming)
     if scan is not None:
         spec = with_feature_cache(spec, scan, log)
     return spec

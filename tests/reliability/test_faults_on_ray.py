@@ -36,7 +36,7 @@ import torch
 
 from dflash_ray.errors import UserError
 from dflash_ray.runtime.training.checkpoint_format import load_weights, read_state
-from dflash_ray.runtime.registered import latest_checkpoint, registered
+from dflash_ray.runtime.checkpoints import RunCheckpoints
 from dflash_ray.run_layout import LEDGER
 from dflash_ray.runtime.record.ledger import read_jsonl
 from dflash_ray.runtime.training.faults import TEST_FAULTS_ENV
@@ -104,7 +104,7 @@ def test_nonfinite_steps_are_skipped_counted_then_stop_the_run(train_run, tiny_p
 
     run_dir = train_run.root / name
     spec_exp = str(run_dir / "ray_train" / name)
-    cursor, latest = latest_checkpoint(spec_exp)
+    cursor, latest = RunCheckpoints(spec_exp).latest()
     assert cursor.step == 6 and read_state(Path(latest))["nonfinite_streak"] == 2   # intact, registered
     ckpts = checkpoints_by_step(spec_exp)
     assert sorted(ckpts) == [2, 4, 5, 6]                                   # none at the stop (step 7)
@@ -158,8 +158,8 @@ def test_a_batch_that_runs_out_of_memory_trains_in_slices_and_the_run_ends_the_s
     assert split["skipped_oom"] == 0 and split["ledger"]["ok"]
     metrics = read_jsonl(train_run.root / "oom-split" / "metrics.jsonl")
     assert [m["oom_splits"] for m in metrics] == [0, 1, 1, 0]
-    w_plain = load_weights(latest_checkpoint(str(train_run.root / "oom-plain" / "ray_train" / "oom-plain"))[1])
-    w_split = load_weights(latest_checkpoint(str(train_run.root / "oom-split" / "ray_train" / "oom-split"))[1])
+    w_plain = load_weights(RunCheckpoints(str(train_run.root / "oom-plain" / "ray_train" / "oom-plain")).latest()[1])
+    w_split = load_weights(RunCheckpoints(str(train_run.root / "oom-split" / "ray_train" / "oom-split")).latest()[1])
     for k in w_plain:
         torch.testing.assert_close(w_plain[k], w_split[k], rtol=1e-4, atol=1e-5)
     assert_exact(train_run.root / "oom-split", tiny_plan_batches, 4)
@@ -276,7 +276,8 @@ def test_worker_killed_mid_checkpoint_then_storage_unwritable_then_full_then_res
                          "rank 0 inside the step-4 checkpoint")
         assert pause is not True, "the run ended without pausing in its step-4 checkpoint"
         pause = pause[0]
-        seen["before"] = wait_for(lambda: latest_checkpoint(str(experiment))[0].step, 60, "checkpoint 2 registered")
+        seen["before"] = wait_for(lambda: RunCheckpoints(str(experiment)).latest()[0].step, 60,
+                                  "checkpoint 2 registered")
         storage_lock(experiment)                     # no new checkpoint directory can be made from now on
         os.kill(pause["pid"], signal.SIGKILL)        # rank 0, halfway through its checkpoint files
         seen["pid"] = pause["pid"]
@@ -292,7 +293,7 @@ def test_worker_killed_mid_checkpoint_then_storage_unwritable_then_full_then_res
     assert "step 2" in msg and "rerun the same run.name" in msg, msg
     restarts = events(run_dir, "trainer_group_restarted")
     assert [e["resume_step"] for e in restarts] == [2]                # the kill: back to the step-2 checkpoint
-    cursor, latest = latest_checkpoint(str(experiment))
+    cursor, latest = RunCheckpoints(str(experiment)).latest()
     assert cursor.step == 2 and read_state(Path(latest))["cursor"]["step"] == 2     # intact, still the latest
     assert sorted(checkpoints_by_step(str(experiment))) == [2]
     assert seen["left"] == [["drafter.safetensors"]]                 # what the kill left: half a checkpoint ...
@@ -323,7 +324,7 @@ def test_worker_killed_mid_checkpoint_then_storage_unwritable_then_full_then_res
         assert f"the last failure: a checkpoint could not be written to train.storage_path ({storage}, " in msg, msg
         assert "MiB free): " in msg and "No space left on device" in msg, msg
         assert "step 2" in msg and "rerun the same run.name" in msg, msg
-        cursor, latest = latest_checkpoint(str(experiment))
+        cursor, latest = RunCheckpoints(str(experiment)).latest()
         assert cursor.step == 2 and read_state(Path(latest))["cursor"]["step"] == 2     # intact, still the latest
         # the failed upload's partial directory was removed by the rank that failed; another rank's upload
         # may have landed after that (its RNG file, ~12 KB; in part 1 too, before the lock): no weights or
@@ -364,7 +365,7 @@ def test_driver_killed_while_a_checkpoint_is_unregistered_resumes_from_the_previ
         wait_for(lambda: events(run_dir, "test_fault") or driver.poll() is not None, 400,
                  "rank 0 between upload and registration")
         assert driver.poll() is None, (root / f"{name}.log").read_text()[-3000:]
-        wait_for(lambda: latest_checkpoint(str(experiment))[0].step, 60, "checkpoint 2 registered")
+        wait_for(lambda: RunCheckpoints(str(experiment)).latest()[0].step, 60, "checkpoint 2 registered")
         # rank 1's file of step 4 is uploaded by its own worker: give it a moment to land
         unregistered = wait_for(lambda: 4 in (c := checkpoints_by_step(str(experiment))) and c, 30,
                                 "the step-4 files in storage")
@@ -380,8 +381,8 @@ def test_driver_killed_while_a_checkpoint_is_unregistered_resumes_from_the_previ
         log.close()
         shutil.rmtree(ray_tmp, ignore_errors=True)
     assert 4 in unregistered                       # rank 0's step-4 files were whole in storage ...
-    assert latest_checkpoint(str(experiment))[0].step == 2      # ... but Ray Train had registered step 2 only
-    assert registered(str(experiment)).metrics["cursor_step"] == 2    # Ray Train's public record of it
+    assert RunCheckpoints(str(experiment)).latest()[0].step == 2      # ... but Ray Train had registered step 2 only
+    assert RunCheckpoints(str(experiment)).registered().metrics["cursor_step"] == 2    # Ray Train's public record of it
     assert len(read_jsonl(run_dir / LEDGER)) >= 4              # steps 3, 4 were committed, then lost
 
     orphan = unregistered[4].name
@@ -394,5 +395,5 @@ def test_driver_killed_while_a_checkpoint_is_unregistered_resumes_from_the_previ
     # one of four runs a killed driver's directory appeared after the rerun's sweep and stayed.)
     removed = s["unregistered_checkpoints_removed"]
     assert orphan in removed and not any((experiment / d).exists() for d in removed)
-    kept = {Path(c.path).name for c, _ in registered(str(experiment)).best_checkpoints}
+    kept = {Path(c.path).name for c, _ in RunCheckpoints(str(experiment)).registered().best_checkpoints}
     assert kept and not kept & set(removed)

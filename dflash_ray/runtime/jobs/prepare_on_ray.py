@@ -13,6 +13,7 @@ import os
 from dataclasses import asdict
 from pathlib import Path
 
+from dflash_ray.config import DataConfig
 from dflash_ray.data.formats import Chunk, plan_chunks
 from dflash_ray.data.prepare import (Options, PrepareSummary, check_inputs, no_samples, prepare_chunk, rows_table,
                                      write_heldout)
@@ -56,8 +57,9 @@ class PrepareChunk:
         return pa.concat_tables(tables)
 
 
-def prepare_on_ray(input_path, tokenizer_path: str, output: str, *, rows_per_task: int = 2000,
-                   actors: int | None = None, **options) -> PrepareSummary:
+def prepare_on_ray(input_path, tokenizer_path: str, output: str, *,
+                   rows_per_task: int = DataConfig.prepare_rows_per_task, actors: int | None = None,
+                   **options) -> PrepareSummary:
     """The Ray Data prepare on the connected cluster. Under data.on_bad_row=fail the first bad row in input
     order stops it with the single-process path's one line, and nothing is written."""
     import ray

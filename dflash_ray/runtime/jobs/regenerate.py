@@ -44,6 +44,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+from dflash_ray.config import RegenerateConfig
 from dflash_ray.errors import UserError
 from dflash_ray.threads import threads_for, usable_cores
 
@@ -59,8 +60,9 @@ class RegenerateActor:
     """Holds the target on its device; regenerates a batch of conversations."""
 
     def __init__(self, target_dir: str, tokenizer_dir: str, max_new_tokens: int, batch_size: int, use_gpu: bool,
-                 on_max_tokens: str = "drop", template_kwargs: dict | None = None, gpu_share: float = 1.0,
-                 dtype: str | None = None, threads: int = 1, engine: str = "batched", sampling: dict | None = None,
+                 on_max_tokens: str = RegenerateConfig.on_max_tokens, template_kwargs: dict | None = None,
+                 gpu_share: float = 1.0, dtype: str | None = None, threads: int = 1,
+                 engine: str = RegenerateConfig.engine, sampling: dict | None = None,
                  http: dict | None = None):
         import torch
 
@@ -205,9 +207,10 @@ def served_model(http: dict) -> str:
     from dflash_ray.model.http_engine import Completions, ServerGone
 
     try:
-        return Completions(http["url"], model=http.get("served_model"), max_retries=http.get("max_retries", 5),
+        return Completions(http["url"], model=http.get("served_model"),
                            api_key=os.environ.get(http.get("api_key_env") or "") or None,
-                           timeout_s=http.get("timeout_s", 600.0)).model
+                           max_retries=http.get("max_retries", RegenerateConfig.max_retries),
+                           timeout_s=http.get("timeout_s", RegenerateConfig.timeout_s)).model
     except ServerGone as e:
         raise UserError(str(e)) from None
 
@@ -227,9 +230,9 @@ def actor_pool_size(cluster, cluster_gpus: float | None = None) -> int:
 
 def regenerate(input_path: str, output_path: str, *, target_dir: str, tokenizer_dir: str, cluster,
                max_new_tokens: int, batch_size: int, on_max_tokens: str,
-               template_kwargs: dict | None = None, dtype: str | None = None, engine: str = "batched",
-               sampling: dict | None = None, http: dict | None = None, engine_kwargs: dict | None = None,
-               stage=None, log=print) -> dict:
+               template_kwargs: dict | None = None, dtype: str | None = None,
+               engine: str = RegenerateConfig.engine, sampling: dict | None = None, http: dict | None = None,
+               engine_kwargs: dict | None = None, stage=None, log=print) -> dict:
     """Run the job on the connected Ray cluster. Returns the counts by reason (and 'written', 'skipped:
     already in the output', 'actors'). `on_max_tokens`: regenerate.on_max_tokens (drop | keep). `dtype`:
     the target's (model.compute_dtype; None: bf16 on GPUs, fp32 on CPUs). `engine`: regenerate.engine; the

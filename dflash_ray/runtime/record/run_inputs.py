@@ -31,11 +31,10 @@ def write_run_inputs(run_dir, inputs: dict) -> None:
     write_json_atomic(RunLayout(run_dir).run_inputs, inputs)
 
 
-def first_start(run_dir, experiment_dir: str) -> bool:
-    """No registered checkpoint and no tokens' digest recorded yet: check_run_inputs will record one."""
-    from dflash_ray.runtime.registered import has_checkpoint
-
-    if has_checkpoint(experiment_dir):
+def first_start(run_dir, resuming: bool) -> bool:
+    """No registered checkpoint (`resuming`: the run has one) and no tokens' digest recorded yet:
+    check_run_inputs will record one."""
+    if resuming:
         return False
     return not ((read_run_inputs(run_dir) or {}).get("shards") or {}).get("contents")
 
@@ -50,7 +49,7 @@ _DRAFTER_KEYS = {"hidden_size": "model.target_path", "vocab_size": "model.target
                  "num_key_value_heads": "model.drafter_num_key_value_heads", "attention_bias": "model.target_path"}
 
 
-def check_run_inputs(spec, tcfg, scan=None, log=print) -> None:
+def check_run_inputs(spec, tcfg, scan=None, log=print, *, resuming: bool) -> None:
     """Exactly-once resume needs the plan (a function of the shards' samples) and the checkpoints' drafter
     to be those of the run's first invocation, and the tokens it trains to be the same. While the run has
     no checkpoint, record them in <run_dir>/run_inputs.json: the samples' fingerprint and the tokens'
@@ -62,11 +61,11 @@ def check_run_inputs(spec, tcfg, scan=None, log=print) -> None:
     changed (files as recorded, by listing and footer, are not read further).
 
     spec: the run's RunSpec (runtime/spec.py). scan: the shards' `scan_shards` (resolve_spec's pass); None (`dflash-ray export`): the shards are not
-    read and nothing is written, only the checkpoint's drafter shape is compared."""
+    read and nothing is written, only the checkpoint's drafter shape is compared. resuming: Ray Train has
+    registered a checkpoint of the run (runtime/checkpoints.py RunCheckpoints.exists)."""
     from dflash_ray.data.shards import contents_digest, samples_fingerprint
     from dflash_ray.model.drafter import drafter_config
     from dflash_ray.model.export import _field
-    from dflash_ray.runtime.registered import has_checkpoint
 
     d = spec.drafter
     config = drafter_config(tcfg, d.num_draft_layers, d.block_size, d.mask_token_id, list(d.target_layer_ids),
@@ -74,7 +73,6 @@ def check_run_inputs(spec, tcfg, scan=None, log=print) -> None:
     now = {"drafter": {k: _field(config, k) for k in _DRAFTER_KEYS}, "target_path": spec.target_path,
            "plan": {**{k: _json_value(getattr(spec.plan, k)) for k in _PLAN_KEYS if k != "seed"}, "seed": spec.seed}}
     recorded = read_run_inputs(spec.run_dir)
-    resuming = has_checkpoint(spec.experiment_dir)
     where = f"(recorded in {RunLayout(spec.run_dir).run_inputs} at its first run)"
     if scan is None:  # an export: the checkpoint and the drafter's shape only
         if resuming and recorded is not None:

@@ -11,18 +11,20 @@ from dataclasses import asdict
 
 import numpy as np
 
-from dflash_ray.runtime.registered import latest_checkpoint
 from dflash_ray.runtime.record.record import last_metrics
 from dflash_ray.run_layout import RunLayout
 from dflash_ray.runtime.record.ledger import read_jsonl, verify_ledger
 
 
-def build_summary(run_spec, plans, plan_summary: dict, report: dict, *, started: float, wall_seconds: float) -> dict:
-    """plans: the run's RunPlans (spec.py); the ledger is checked against each epoch's planned batches."""
+def build_summary(run_spec, plans, plan_summary: dict, report: dict, *, latest: tuple, started: float,
+                  wall_seconds: float) -> dict:
+    """plans: the run's RunPlans (spec.py); the ledger is checked against each epoch's planned batches.
+    latest: (cursor, location) of the run's latest registered checkpoint (runtime/checkpoints.py
+    RunCheckpoints.latest)."""
     metrics = last_metrics(run_spec.run_dir)
     files = RunLayout(run_spec.run_dir)
     ledger = read_jsonl(files.ledger)
-    cursor, checkpoint = latest_checkpoint(run_spec.experiment_dir)
+    cursor, checkpoint = latest
     finished = list(range(cursor.epoch))
     epochs = sorted({int(r["epoch"]) for r in ledger} | set(finished))
     check = verify_ledger(ledger, {e: plans(e).num_batches for e in epochs}, finished_epochs=finished)

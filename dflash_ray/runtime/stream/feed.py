@@ -14,13 +14,30 @@ The cursor (epoch, position, step) is ours to keep: Ray Data iterators cannot be
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
 import numpy as np
 import pyarrow as pa
 
-from dflash_ray.runtime.registered import Cursor
 from dflash_ray.runtime.stream.rows import FEED_LISTS, FEED_SCALARS, FILLER, QUARANTINED
+
+
+@dataclass(frozen=True)
+class Cursor:
+    """Where training stands: a checkpoint carries it (runtime/checkpoints.py reads it back) and a feed
+    starts from it."""
+    epoch: int = 0
+    position: int = 0      # next plan position of `epoch` to train
+    step: int = 0          # optimizer steps committed so far (global, over all epochs)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict | None) -> "Cursor":
+        if not d:
+            return cls()
+        return cls(int(d.get("epoch", 0)), int(d.get("position", 0)), int(d.get("step", 0)))
 
 
 @dataclass

@@ -188,17 +188,17 @@ class DatasetFactory:
     trainers can host none, the run falls back to one stream of all rows over actors anywhere (features
     then cross nodes; the run record counts those bytes)."""
 
-    def __init__(self, run_spec, plans, tokens_ref):
+    def __init__(self, run_spec, plans, tokens_ref, checkpoints):
         self.run_spec, self.plans = run_spec, plans   # plans: the driver's RunPlans (spec.py), built there
         self.tokens = _Ref(tokens_ref)
+        self.checkpoints = checkpoints   # the run's RunCheckpoints (runtime/checkpoints.py): where a stream starts
 
     def feed(self, quarantined=()):
         """quarantined: (epoch, position) of plan batches no rank trains (record/quarantine.py)."""
-        from dflash_ray.runtime.registered import latest_checkpoint
         from dflash_ray.runtime.stream.feed import build_feed
 
         s = self.run_spec
-        cursor, _ = latest_checkpoint(s.experiment_dir)
+        cursor, _ = self.checkpoints.latest()
         return build_feed(self.plans, cursor, s.batches_per_step, s.train.epochs, s.train.max_steps,
                           quarantined=quarantined)
 
@@ -228,9 +228,9 @@ class DatasetFactory:
         placement = [{"node": node, "ranks": list(ranks), "target_actors": k} for (node, ranks), k in zip(groups, shares)]
         per_block = rows_per_block(feed.table.column("lengths"), stream_bytes_per_token(s),
                                    block_budget_mb(s.cluster.stream_block_mb, resources))
-        gen = ray.get(coord.reset_feed.remote(feed.total_steps, feed.cursor.as_dict(), s.batches_per_step,
-                                             feed.schedule_steps, rows_per_block=per_block, world=world_size))
-        ray.get(record.new_stream.remote(gen, feed.total_steps, list(worker_node_ids or []), placement))
+        gen = ray.get(record.new_stream.remote(feed.total_steps, list(worker_node_ids or []), placement))
+        ray.get(coord.reset_feed.remote(gen, feed.total_steps, feed.cursor.as_dict(), s.batches_per_step,
+                                        feed.schedule_steps, rows_per_block=per_block, world=world_size))
         feed_ref = ray.put(feed.table)
         out = [None] * world_size
         for (node, ranks), k in zip(groups, shares):

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import pyarrow as pa
 
+from dflash_ray.config import ClusterConfig
 from dflash_ray.errors import UserError
 
 TOKEN_COLUMNS = ("sample_id", "input_ids", "loss_mask")
@@ -186,8 +187,9 @@ def _read_one_block(files, columns: list, vocab_size: int | None, names: dict) -
     return pa.concat_tables(parts).combine_chunks()
 
 
-def build_token_store(shards: str, vocab_size: int | None, block_mb: float = 8.0,
-                      cache_mb: float = 256.0, ray_data: bool | None = None) -> tuple[dict, StoreInfo]:
+def build_token_store(shards: str, vocab_size: int | None, block_mb: float = ClusterConfig.token_block_mb,
+                      cache_mb: float = ClusterConfig.token_cache_mb,
+                      ray_data: bool | None = None) -> tuple[dict, StoreInfo]:
     """Ray Data reads and validates every shard into object-store blocks; returns what the join needs
     (the index and the block refs, to be put in the object store by the caller) and the store's size.
     ray_data: None decides by size (a corpus of one block is read here), True / False force either path."""

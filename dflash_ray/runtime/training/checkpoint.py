@@ -1,5 +1,6 @@
-"""Checkpoints in a run: when they are written, and how they reach the run's storage (the files themselves:
-checkpoint_format.py; the export of the latest: export.py).
+"""A worker's checkpoints (`CheckpointManager`): when they are written, and how they reach the run's storage
+(the files themselves: checkpoint_format.py; the driver's side, what Ray Train registered and the export of
+the latest: runtime/checkpoints.py `RunCheckpoints`).
 
 Every rank writes its part into a fresh local directory and hands it to `ray.train.report`, which uploads
 every rank's files into the same checkpoint directory and registers the checkpoint only when all ranks
@@ -15,8 +16,8 @@ from) only after every rank's upload has finished, and in report order: what a r
 The feed of a restarted worker group must start where the checkpoint it will resume from ends. Ray
 Train hands that checkpoint to the workers; the dataset factory, which runs in Ray Train's controller
 before the workers start, reads the same fact from the controller's persisted record of registered
-checkpoints (runtime/registered.py `latest_checkpoint`): the metrics reported with the checkpoint carry the cursor. The
-workers check that the two agree and fail loudly if they do not.
+checkpoints (runtime/checkpoints.py `RunCheckpoints.latest`): the metrics reported with the checkpoint carry
+the cursor. The workers check that the two agree and fail loudly if they do not.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ from pathlib import Path
 
 import torch
 
-from dflash_ray.runtime.registered import Cursor
+from dflash_ray.runtime.stream.feed import Cursor
 from dflash_ray.runtime.training.checkpoint_format import (HostBuffers, StateSnapshot, capture_state, cursor_metrics,
                                                           gather_state, load_checkpoint, read_state, write_checkpoint,
                                                           write_rank_files)
@@ -99,8 +100,8 @@ def _local_prefix() -> str:
 
 def remove_orphaned_local_checkpoints(tmp_dir: str | None = None) -> list[str]:
     """Delete this node's local checkpoint directories whose writer process is gone (killed mid-write or
-    mid-upload: a Qwen3-8B drafter's state is ~12.6 GB, left in the temp dir at every such kill). Called
-    by every worker as it starts. Returns the directories removed."""
+    mid-upload: a Qwen3-8B drafter's state is ~12.6 GB, left in the temp dir at every such kill). Every
+    worker's `CheckpointManager.restore` calls it as the worker starts. Returns the directories removed."""
     import re
 
     removed = []
@@ -246,47 +247,58 @@ def rank0_value(value: float, device, world_size: int) -> float:
 
 
 class CheckpointManager:
-    """A worker's checkpoints: restore at its start, decide when (the same answer on every rank, from
-    rank 0's clock), save (write, hand to Ray Train, upload sync or async) and tell the run record what
-    each cost. The driver's side (the latest registered checkpoint, the sweep of unregistered ones, the
-    export) is the functions of this module."""
+    """A worker's checkpoints, built once with the states they hold (the drafter, its optimizer and LR
+    scheduler) and the worker's record client: `restore` at the worker's start (this node's orphaned local
+    directories removed first), then `save` after every step, which decides itself whether the step is due
+    (the same answer on every rank, from rank 0's clock), writes, hands the checkpoint to Ray Train (upload
+    sync or async) and tells the run record what it cost."""
 
-    def __init__(self, train, *, rank: int, world_size: int, device, record, faults: dict | None = None):
+    def __init__(self, train, *, drafter, optimizer, scheduler, record, rank: int, world_size: int, device,
+                 run_name: str, faults: dict | None = None):
         self.train, self.rank, self.world, self.device = train, rank, world_size, device
-        self.record, self.faults = record, faults or {}
+        self.drafter, self.optimizer, self.scheduler = drafter, optimizer, scheduler
+        self.record, self.run_name, self.faults = record, run_name, faults or {}
         self.t_last = time.perf_counter()
         self.host = HostBuffers()   # rank 0's snapshot buffers for async checkpoints, reused
 
-    def restore(self, drafter, optimizer, scheduler) -> tuple[Cursor, int]:
+    def restore(self) -> tuple[Cursor, int]:
         """The cursor and the non-finite streak of the checkpoint Ray Train hands this worker group (the
-        weights, optimizer, scheduler and this rank's RNG restored); (Cursor(), 0) at a run's start."""
+        weights, optimizer, scheduler and this rank's RNG restored); (Cursor(), 0) at a run's start. Before
+        that, this node's local checkpoint directories left by a worker killed while checkpointing go."""
         import ray.train
 
+        remove_orphaned_local_checkpoints()
         ckpt = ray.train.get_checkpoint()
         if ckpt is None:
             return Cursor(), 0
         with ckpt.as_directory() as d:
-            cursor = load_checkpoint(Path(d), drafter=drafter, optimizer=optimizer, scheduler=scheduler,
-                                     rank=self.rank)
+            cursor = load_checkpoint(Path(d), drafter=self.drafter, optimizer=self.optimizer,
+                                     scheduler=self.scheduler, rank=self.rank)
             streak = int(read_state(Path(d)).get("nonfinite_streak", 0))
         self.t_last = time.perf_counter()   # the time-based interval counts from here, not from the restore
         return cursor, streak
 
-    def due(self, step: int, *, last_step: bool, end_of_epoch: bool) -> bool:
+    def _due(self, step: int, force: bool) -> bool:
         since = time.perf_counter() - self.t_last
         if self.train.checkpoint_every_minutes:   # every rank decides from rank 0's clock (a broadcast)
             since = rank0_value(since, self.device, self.world)
-        return checkpoint_due(step, self.train.checkpoint_every, self.train.checkpoint_every_minutes, since,
-                              last_step=last_step, end_of_epoch=end_of_epoch)
+        return force or checkpoint_due(step, self.train.checkpoint_every, self.train.checkpoint_every_minutes,
+                                       since, last_step=False, end_of_epoch=False)
 
-    def save(self, step: int, cursor: Cursor, *, drafter, optimizer, scheduler, loss: float, consumed: int,
-             extra: dict) -> None:
-        """Every rank, at the same step. The step's ledger lines are on disk before the checkpoint can be
-        registered; the step's metrics line says what the write cost; the upload's seconds go on a later one."""
+    def save(self, step: int, cursor: Cursor, *, force: bool = False, loss: float, consumed: int,
+             nonfinite_streak: int) -> bool:
+        """Every rank, after every step: checkpoint `step` when it is due (`train.checkpoint_every` steps,
+        `train.checkpoint_every_minutes`) or `force`d (an epoch's end, the feed's last step). Returns whether
+        it did. The step's ledger lines are on disk before the checkpoint can be registered (they are sent
+        and waited for here); the step's metrics line says what the write cost; the upload's seconds go on a
+        later one."""
         from dflash_ray.runtime.training.faults import arm_checkpoint_pause
         from dflash_ray.runtime.training.sharding import is_sharded
 
+        if not self._due(step, force):
+            return False
         record, upload = self.record, self.train.checkpoint_upload
+        drafter, optimizer, scheduler = self.drafter, self.optimizer, self.scheduler
         record.release(consumed)
         t0 = time.perf_counter()
         arm_checkpoint_pause(self.faults, step, self.rank, record)   # tests only: a no-op without faults
@@ -294,12 +306,11 @@ class CheckpointManager:
         snapshot = gather_state(drafter, optimizer, scheduler, self.rank) if is_sharded(drafter) else None
         cost = save_checkpoint(
             rank=self.rank, world_size=self.world, drafter=drafter, optimizer=optimizer, scheduler=scheduler,
-            cursor=cursor, metrics={"step": step, "loss": loss}, upload=upload, host=self.host, extra=extra,
-            snapshot=snapshot,
+            cursor=cursor, metrics={"step": step, "loss": loss}, upload=upload, host=self.host,
+            extra={"run": self.run_name, "nonfinite_streak": nonfinite_streak}, snapshot=snapshot,
             before_register=lambda cost: record.flush(consumed, {**cost, "checkpoint_upload": upload}, wait=True),
             on_uploaded=lambda seconds: record.checkpoint_uploaded(step, seconds))
         self.t_last = time.perf_counter()
         # what training waited: the write, the ledger, the barrier, and the upload unless it is async
         record.checkpoint_done(step, self.t_last - t0, upload, cost)
-
-
+        return True

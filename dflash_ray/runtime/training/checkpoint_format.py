@@ -8,7 +8,7 @@
 `write_checkpoint` writes them (from a `StateSnapshot`: the state copied, so a background upload can
 overlap training); `load_checkpoint` checks the manifest (names and sizes) before anything is restored.
 When they are written and how they reach the run's storage: checkpoint.py. Which checkpoint a restart
-resumes from: runtime/registered.py.
+resumes from: runtime/checkpoints.py.
 """
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from dflash_ray.atomic import write_json_atomic
-from dflash_ray.runtime.registered import Cursor
+from dflash_ray.runtime.stream.feed import Cursor
 from dflash_ray.runtime.training.faults import pause_point
 
 

@@ -3,7 +3,8 @@
 Each optimizer step consumes W = batches_per_step consecutive feed rows; rank r trains rows
 s*W + a*workers + r (feed.rank_rows) and checks every row it receives is the one it expects. The step's
 math is `step.train_step` (no Ray); the run record's client (training/record_client.py) tells the driver's side
-what happened; the checkpoint manager (checkpoint.py) restores, decides when, and saves.
+what happened; the checkpoint manager (checkpoint.py) restores, and after every step saves when a
+checkpoint is due.
 
 A step whose loss or gradient is NaN/Inf trains nothing (`step.train_step` skips the update on every rank)
 but its batches count as consumed: its ledger line says `"skipped": "nonfinite"` and the plan's
@@ -97,7 +98,7 @@ def train_loop_per_worker(config: dict) -> None:
     import torch.distributed as dist
 
     from dflash_ray.runtime.training.record_client import RecordClient
-    from dflash_ray.runtime.training.checkpoint import CheckpointManager, remove_orphaned_local_checkpoints
+    from dflash_ray.runtime.training.checkpoint import CheckpointManager
     from dflash_ray.runtime.training.faults import crash_on_poison, oom_fault, poisoned
 
     spec, faults = config["spec"], config.get("test_faults") or {}
@@ -105,7 +106,6 @@ def train_loop_per_worker(config: dict) -> None:
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     device = worker_device(spec.cluster, config.get("threads", 1))
     per_step = spec.batches_per_step
-    remove_orphaned_local_checkpoints()  # left by a worker of this node killed while checkpointing
     shard = ray.train.get_dataset_shard("train")   # pulled from now on: the pipeline starts while we build
     stream = Prefetcher(train_rows(shard.iter_batches(batch_size=None, batch_format="numpy", prefetch_batches=1)),
                         size=spec.train.grad_accum, stage=device_stager(device))
@@ -118,9 +118,9 @@ def train_loop_per_worker(config: dict) -> None:
     torch.manual_seed(spec.seed + rank)
     np.random.seed((spec.seed + rank) % 2**32)
     drafter, model, opt, sched = build_model(spec, device, world, feed["schedule_steps"])
-    checkpoints = CheckpointManager(spec.train, rank=rank, world_size=world, device=device, record=record,
-                                    faults=faults)
-    cursor, nonfinite_streak = checkpoints.restore(drafter, opt, sched)
+    checkpoints = CheckpointManager(spec.train, drafter=drafter, optimizer=opt, scheduler=sched, record=record,
+                                    rank=rank, world_size=world, device=device, run_name=spec.name, faults=faults)
+    cursor, nonfinite_streak = checkpoints.restore()
     start = Cursor.from_dict(feed["cursor"])
     if cursor != start:
         raise RuntimeError(f"the data stream starts at {start} but the checkpoint resumes at {cursor}: "
@@ -169,7 +169,6 @@ def train_loop_per_worker(config: dict) -> None:
                                       f"in a row; train.max_skipped_batches={max_skipped})" if result.skipped_oom
                                       else f"{result.oom_splits} batch(es) ran out of device memory and were "
                                            "trained in slices of their rows (train.oom_split)"), flush=True)
-        due = not stop and checkpoints.due(step, last_step=s == steps - 1, end_of_epoch=cursor.position == 0)
         # compute_cpu_seconds: this thread's CPU in the step (one intra-op thread on a CPU worker): what the
         # model costs here, under DDP and the machine's load (benchmarks/bench_load.py)
         timings = {"step_seconds": now - t_step, "wait_seconds": t_compute - t_wait,
@@ -179,8 +178,7 @@ def train_loop_per_worker(config: dict) -> None:
         if device.type == "cuda":   # against the memory model (sizing/memory.py)
             timings["device_peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
         record.step(s, step, result, timings=timings, epoch_batches=rows[0].epoch_batches,
-                    nonfinite_streak=nonfinite_streak, oom_streak=oom_streak, consumed=consumed, drafter=drafter,
-                    checkpoint_next=due or stop)
+                    nonfinite_streak=nonfinite_streak, oom_streak=oom_streak, drafter=drafter)
         t_step = now
         if stop:
             # no checkpoint: the last one holds the weights of the last good step (skipped steps change
@@ -194,6 +192,7 @@ def train_loop_per_worker(config: dict) -> None:
                                        "first_step": step - nonfinite_streak + 1, "limit": max_nonfinite,
                                        "loss": result.loss, "grad_norm": result.grad_norm})
             return
-        if due:
-            checkpoints.save(step, cursor, drafter=drafter, optimizer=opt, scheduler=sched, loss=result.loss,
-                             consumed=consumed, extra={"run": spec.name, "nonfinite_streak": nonfinite_streak})
+        # an epoch's end and the feed's last step always; a checkpoint sends the step's lines itself
+        if not checkpoints.save(step, cursor, force=s == steps - 1 or cursor.position == 0, loss=result.loss,
+                                consumed=consumed, nonfinite_streak=nonfinite_streak):
+            record.send_due(s, consumed)

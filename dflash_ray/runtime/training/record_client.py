@@ -91,18 +91,18 @@ class RecordClient:
         return self.feed
 
     def begin_attempt(self, step: int, world_size: int) -> None:
+        """Rank 0, the worker group's checkpoint restored: the record numbers this attempt and rolls the
+        ledger back to `step`."""
         import ray
 
         if self.rank == 0:
-            a = ray.get(self.coord.begin_attempt.remote())
-            self.attempt = a["attempt"]
-            ray.get(self.record.begin_attempt.remote(step, world_size, a["attempt"], a["restarted"]))
+            self.attempt = ray.get(self.record.begin_attempt.remote(step, world_size))["attempt"]
 
     def step(self, s: int, step: int, result, *, timings: dict, epoch_batches: int, nonfinite_streak: int,
-             consumed: int, drafter, checkpoint_next: bool, oom_streak: int = 0) -> None:
-        """Step s of this attempt (`step` of the run) is done: rank 0 keeps its lines, starts a held-out
-        evaluation when one is due, and sends what it has when due (not when a checkpoint follows: that
-        sends and waits)."""
+             drafter, oom_streak: int = 0) -> None:
+        """Step s of this attempt (`step` of the run) is done: rank 0 keeps its lines and starts a held-out
+        evaluation when one is due. They are sent by a checkpoint (`flush`, waited for), a stop, or else
+        `send_due`."""
         if self.rank != 0:
             return
         self.unsent.append((ledger_line(result, step),
@@ -111,8 +111,13 @@ class RecordClient:
         every = self.spec.train.heldout_every
         if self.spec.heldout and every and step % every == 0:
             self.evaluate(step, drafter)
-        if not checkpoint_next and commit_due(s, time.perf_counter() - self.t_sent, consumed - self.reported,
-                                              self.slack):
+
+    def send_due(self, s: int, consumed: int) -> None:
+        """After step s of this attempt, when no checkpoint followed it: rank 0 sends what it has when
+        `commit_due` says so, without waiting."""
+        if self.rank != 0:
+            return
+        if commit_due(s, time.perf_counter() - self.t_sent, consumed - self.reported, self.slack):
             self.flush(consumed)
             if len(self.pending) > 64:   # forget the finished ones (a long checkpoint interval)
                 import ray
@@ -135,9 +140,9 @@ class RecordClient:
         if peer_gone(error):
             return
         line = (str(error).strip().splitlines() or [""])[0][:300]
-        ref = self.record.step_failed.remote(self.gen, self.rank, step,
-                                             [[r.epoch, r.position] for r in rows if not r.trains_nothing],
-                                             f"{type(error).__name__}: {line}")
+        ref = self.record.in_flight.remote(self.gen, self.rank, step,
+                                           [[r.epoch, r.position] for r in rows if not r.trains_nothing],
+                                           error=f"{type(error).__name__}: {line}")
         try:
             ray.get(ref, timeout=10)
         except Exception:  # noqa: BLE001 - the record gone or slow: the failure itself still propagates
@@ -190,16 +195,16 @@ class RecordClient:
         """Waited for: the record has it before the checkpoint is registered (and before the run ends)."""
         import ray
 
-        ray.get(self.record.checkpoint_uploaded.remote(self.attempt, step, seconds))
+        ray.get(self.record.checkpoint.remote(self.attempt, step, {"upload_seconds": seconds}))
 
     def checkpoint_done(self, step: int, seconds: float, upload: str, cost: dict) -> None:
         if self.rank == 0:
-            self.record.checkpoint_done.remote(step, seconds, attempt=self.attempt, upload=upload,
-                                               write_seconds=cost.get("checkpoint_write_seconds"),
-                                               nbytes=cost.get("checkpoint_bytes"), write=cost.get("checkpoint_write"))
+            self.record.checkpoint.remote(self.attempt, step, {
+                "seconds": seconds, "upload": upload, "write_seconds": cost.get("checkpoint_write_seconds"),
+                "bytes": cost.get("checkpoint_bytes"), "write": cost.get("checkpoint_write")})
 
     def fault_injected(self, kind: str, **info) -> None:
         """Test-only (DFLASH_TEST_FAULTS): logged and waited for before the fault is acted out."""
         import ray
 
-        ray.get(self.record.fault_injected.remote(kind, attempt=self.attempt, pid=os.getpid(), **info))
+        ray.get(self.record.event.remote("test_fault", fault=kind, attempt=self.attempt, pid=os.getpid(), **info))
