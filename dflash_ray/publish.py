@@ -2,7 +2,8 @@
 huggingface_hub (`HfApi.create_repo(exist_ok=True)`, then `upload_folder` of the export's files).
 
 The folder must be an export: config.json, model.safetensors, README.md (the model card `export_drafter`
-writes) and the drafter's code that transformers' trust_remote_code loads (model/export.py SHIPPED). Before the upload the card is rewritten to name REPO_ID in its serve commands
+writes) and the drafter's code that transformers' trust_remote_code loads (run_layout.py EXPORT_FILES). Before the upload
+the card is rewritten to name REPO_ID in its serve commands
 (its run facts kept, read from its front matter). The token is huggingface_hub's (`hf auth login`, or
 HF_TOKEN); the hub is HF_ENDPOINT's. A missing token, a bad repo id, an unreachable hub or a refusal by it:
 one line, exit code 2.
@@ -13,9 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from dflash_ray.errors import UserError
-from dflash_ray.model.export import SHIPPED
-
-EXPORT_FILES = ("config.json", "model.safetensors", "README.md", *SHIPPED)
+from dflash_ray.run_layout import EXPORT_FILES
 EXPORT_OVERRIDE = "export="
 
 

@@ -10,7 +10,7 @@ plots, the summary and the tests read a run through this.
       evals.jsonl         held-out tau during training, one line per evaluation (record.py)
       best/               the exported drafter of the best held-out tau so far (record.py)
       .evals/step_N/      an evaluation's export while it runs (moved to best/ or removed)
-      export/             the drafter of the latest checkpoint, Hugging Face format (training/checkpoint.py)
+      export/             the drafter of the latest checkpoint, Hugging Face format (EXPORT_FILES: model/export.py)
       summary.json        the run's summary (summary.py)
       plots/              `dflash-ray plot`'s PNGs (plots.py)
       trackers.json       each tracker's run id, so a resumed run logs into the same tracker run (trackers.py)
@@ -39,6 +39,14 @@ WANDB = "wandb"
 TRACKERS = "trackers.json"
 QUARANTINE = "quarantine.json"
 RAY_TRAIN = "ray_train"
+# what an export holds (model/export.py writes it, publish.py uploads it): named here, where reading the names
+# costs no torch (`dflash-ray push` checks an export before anything heavy loads)
+EXPORT_CONFIG = "config.json"
+EXPORT_WEIGHTS = "model.safetensors"
+EXPORT_CARD = "README.md"
+# the drafter's code an export ships for transformers' trust_remote_code (modeling_dflash.py imports the rest)
+EXPORT_CODE = ("modeling_dflash.py", "draft_core.py", "speculative.py", "layers.py", "attention.py")
+EXPORT_FILES = (EXPORT_CONFIG, EXPORT_WEIGHTS, EXPORT_CARD, *EXPORT_CODE)
 # the demo world's inputs
 CORPUS = "corpus.jsonl"
 TOKENIZER = "tokenizer"

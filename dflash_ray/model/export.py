@@ -32,11 +32,11 @@ import torch
 from transformers import Qwen3Config
 
 from ..atomic import atomic_dir
+from ..run_layout import EXPORT_CARD as CARD_NAME
+from ..run_layout import EXPORT_CODE as SHIPPED
+from ..run_layout import EXPORT_WEIGHTS as WEIGHTS_NAME
 from .drafter import DFlashDrafter
 
-WEIGHTS_NAME = "model.safetensors"
-# the drafter's code an export ships for transformers' trust_remote_code (modeling_dflash.py imports the rest)
-SHIPPED = ("modeling_dflash.py", "draft_core.py", "speculative.py", "layers.py", "attention.py")
 AUTO_MAP = {"AutoModel": "modeling_dflash.DFlashDraftModel"}
 
 
@@ -92,7 +92,6 @@ def _write_export(drafter: DFlashDrafter, out_dir, dtype) -> None:
 
 
 # ----------------------------------------------------------------------------- the model card
-CARD_NAME = "README.md"
 # the run's facts a card may say (all optional): the target (a path or hub id) and its hub id when the path
 # does not show it, the training data (text), optimizer steps, tokens, epochs, the held-out tau (a number, or
 # the summary's {"initial": {"tau", "prompts"}, "trained": {...}}), a license id, and the hub repo the
