@@ -2,8 +2,9 @@
 on 2 cores, starting Ray per test would cost more than the tests.
 
 Markers are applied here, by the fixtures a test uses, so no test file has to remember them:
-`ray` (the test starts or joins Ray) and `slow` (it runs the main job or submits a job). The quick
-loop is `./scripts/run-tests.sh -m "not slow"`.
+`ray` (the test starts or joins Ray) and `slow` (it runs the main job, submits a job or starts
+torch.distributed ranks; a test that starts a Ray of its own marks itself). The quick loop is
+`./scripts/run-tests.sh -m "not slow"`.
 """
 from __future__ import annotations
 
@@ -159,15 +160,34 @@ def train_run(ray_session, tiny_data, tmp_path_factory):
     return TrainRun(tmp_path_factory.mktemp("runs"), tiny_data)
 
 
+def built_once(tmp_path_factory, name: str, build):
+    """`build()`'s result, built once for the whole test run: under pytest-xdist the first worker to ask builds
+    it and the others wait for it and read it (pickled beside the workers' temporary directories). For a run
+    the tests only read, whose inputs every worker makes alike (the tiny data: the same seeds, the same
+    files): a second build would cost a run's minutes and show nothing new."""
+    import pickle
+
+    from filelock import FileLock
+
+    base = tmp_path_factory.getbasetemp()
+    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+    done = shared / f"{name}.pickle"
+    with FileLock(str(shared / f"{name}.lock")):
+        if not done.exists():
+            done.write_bytes(pickle.dumps(build()))
+        return pickle.loads(done.read_bytes())
+
+
 @pytest.fixture(scope="session")
-def split_run(train_run):
+def split_run(train_run, tmp_path_factory):
     """One run for two bit-for-bit comparisons with job_run (each a Ray Train fit's worth of start-up saved):
     trained in two stream segments (train.stream_segment_blocks=12 at one plan batch a block:
     reliability/test_stream_segments.py) with its target over two stage processes
     (cluster.target_gpus_per_replica=2: test_target_stages.py). Neither may change a weight, so together
     they may not either; a fault in either fails both tests, each of which also checks its own facts."""
-    return train_run("split", [*RUNTIME_RUN, "train.stream_segment_blocks=12", "cluster.stream_block_mb=0",
-                               "cluster.target_gpus_per_replica=2"])
+    return built_once(tmp_path_factory, "split_run", lambda: train_run(
+        "split", [*RUNTIME_RUN, "train.stream_segment_blocks=12", "cluster.stream_block_mb=0",
+                  "cluster.target_gpus_per_replica=2"]))
 
 
 @pytest.fixture(scope="session")
@@ -175,25 +195,14 @@ def job_run(tiny_data, tmp_path_factory):
     """The run every runtime test compares against (RUNTIME_RUN), submitted as a user would. Tests only
     read its run directory; one that writes works on a copy.
 
-    Built once for the whole test run: under pytest-xdist the first worker to ask submits it (a fresh
-    cluster, ~3 minutes on two cores) and the others wait for it and read the same run. Its inputs are the
-    first worker's tiny data, which every worker generates alike (the same seeds: the same files)."""
-    from filelock import FileLock
+    Built once for the whole test run (`built_once`: a fresh cluster, ~3 minutes on two cores)."""
+    def submit():
+        root = tmp_path_factory.mktemp("job")
+        result = submit_job_to_fresh_cluster(root, [f"run.root={root}", "run.name=job", *tiny_data, *RUNTIME_RUN])
+        result["run_dir"] = root / "job"
+        return result
 
-    base = tmp_path_factory.getbasetemp()
-    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-    done = shared / "job_run.json"
-    with FileLock(str(shared / "job_run.lock")):
-        if not done.exists():
-            root = tmp_path_factory.mktemp("job")
-            result = submit_job_to_fresh_cluster(root, [f"run.root={root}", "run.name=job", *tiny_data,
-                                                        *RUNTIME_RUN])
-            result["run_dir"] = str(root / "job")
-            result["metric_names"] = sorted(result["metric_names"])
-            done.write_text(json.dumps(result))
-        result = json.loads(done.read_text())
-    result["run_dir"] = Path(result["run_dir"])
-    result["metric_names"] = set(result["metric_names"])
+    result = built_once(tmp_path_factory, "job_run", submit)
     summary = result["run_dir"] / "summary.json"
     result["summary"] = json.loads(summary.read_text()) if summary.exists() else None
     return result

@@ -1,6 +1,6 @@
 """Poison batches set aside (runtime/record/quarantine.py, stream/feed.py): which batches a failed worker group
 names, "in a row", what the next feed does with them, and that a rerun keeps them. No Ray: the run that
-quarantines a real crash is in reliability/test_faults_on_ray.py."""
+quarantines a real crash is in reliability/test_faults_poison.py."""
 from __future__ import annotations
 
 import numpy as np

@@ -64,7 +64,7 @@ def test_two_processes_give_the_unsplit_targets_features(tmp_path, ranks):
 
 
 @pytest.mark.slow
-def test_the_job_with_a_target_over_two_stages_trains_the_weights_of_one(train_run, split_run, job_run):
+def test_the_job_with_a_target_over_two_stages_trains_the_weights_of_one(split_run, job_run):
     """cluster.target_gpus_per_replica=2 on the CPU cluster (each stage a target slot): the main job's target
     actor runs stage 0 and starts stage 1 beside it; the features are the unsplit target's, so the run ends
     with the reference run's weights, bit for bit. (The run also trains in two stream segments, which must
@@ -73,9 +73,9 @@ def test_the_job_with_a_target_over_two_stages_trains_the_weights_of_one(train_r
 
     from dflash_ray.runtime.record.ledger import read_jsonl
 
-    _, s = split_run
+    spec, s = split_run
     ref = job_run["summary"]
-    replicas = [e for e in read_jsonl(train_run.root / "split" / "events.jsonl") if e["event"] == "target_replica"]
+    replicas = [e for e in read_jsonl(Path(spec.run_dir) / "events.jsonl") if e["event"] == "target_replica"]
     # the tiny target's taps end at its last layer: its layers split in two, each stage its own process
     assert replicas and all(len(set(e["pids"])) == 2 and len(e["layers"]) == 2 for e in replicas)
     assert replicas[0]["layers"][0][0] == 0 and replicas[0]["layers"][0][1] == replicas[0]["layers"][1][0]

@@ -42,6 +42,7 @@ def test_a_command_makes_idle_threads_sleep_unless_the_user_chose():
     assert waits_in_a_command("ACTIVE") == "ACTIVE"
 
 
+@pytest.mark.slow     # a Ray of its own, started and stopped (~12 s)
 def test_a_local_ray_runs_its_workers_at_the_drivers_priority(tmp_path):
     """Ray's default niceness 15 handed a shared machine's CPU to any other process (the drafter trained 4.4x
     slower beside one busy loop): a local Ray started by the job gives its workers niceness 0."""
