@@ -9,6 +9,8 @@ from dflash_ray.run_layout import LEDGER
 from dflash_ray.runtime.record.ledger import read_jsonl
 from dflash_ray.runtime.training.checkpoint_format import read_state
 
+# the fault runs' base: two epochs, a checkpoint every 2 steps, all of them kept (the tests read each)
+BASE = ["train.epochs=2", "train.checkpoint_every=2", "train.num_to_keep=10"]
 
 
 def events(run_dir: Path, kind: str) -> list[dict]:
