@@ -417,10 +417,3 @@ def test_async_checkpoint_writes_a_snapshot_of_the_step_in_the_upload_thread(mon
         import shutil
 
         shutil.rmtree(seen.get("path", "/nonexistent"), ignore_errors=True)
-
-
-def test_checkpoint_due_every_n_steps_at_epoch_ends_and_the_last_step():
-    from dflash_ray.runtime.training.checkpoint import checkpoint_due
-
-    due = [s for s in range(1, 15) if checkpoint_due(s, 4, last_step=s == 14, end_of_epoch=s in (6, 12))]
-    assert due == [4, 6, 8, 12, 14]
