@@ -16,7 +16,8 @@ from pathlib import Path
 
 from dflash_ray.errors import UserError
 
-COMMANDS = ("regenerate", "prepare", "plan", "order-stats", "train", "compare", "compare-orders", "eval", "export", "push",
+COMMANDS = ("regenerate", "prepare", "plan", "order-stats", "train", "compare", "compare-orders", "tune", "eval", "export",
+            "push",
             "plot", "config")
 
 # What `dflash-ray --help` (the one line) and `dflash-ray <command> --help` (the description and the main
@@ -92,6 +93,17 @@ HELP = {
         "strategy with the same budget; only the order differs. Prints final loss, held-out tau, loss "
         "roughness, quarter shares and bucket ends, and writes two PNGs next to the run directory.",
         ("train.epochs", "train.heldout_every", "run.name")),
+    "tune": (
+        "a sweep on Ray Tune: trials side by side over one feature pass, early stopping, resumable",
+        "A search over config keys on Ray Tune, every trial the main job under <run.dir>-tune/<trial>/ (its record, "
+        "ledger, checkpoints, held-out evaluations, summary, export). The space: KEY=V1,V2 (a grid), "
+        "KEY=choice(V1,V2), KEY=uniform(LO,HI), KEY=loguniform(LO,HI), KEY=randint(LO,HI); the other overrides "
+        "are every trial's. The target's features are computed once per node before the trials (a key that "
+        "changes them makes cache groups, or is refused over a range); each in-training held-out evaluation "
+        "reaches Tune as it is measured, and ASHA stops hopeless trials on it. Trials run side by side as the "
+        "cluster's free resources allow. Rerunning the same command resumes the sweep. Prints the table and the "
+        "best trial's drafter; writes tune.json.",
+        ("train.heldout_every", "train.epochs", "train.lr", "model.num_draft_layers", "run.name")),
     "eval": (
         "tau of an exported drafter against its target by greedy speculative decoding",
         "Greedy speculative decoding of an exported drafter against its target on the prompts of data.prompts "
@@ -128,7 +140,7 @@ HELP = {
         ()),
 }
 
-RAY_COMMANDS = ("regenerate", "prepare", "train", "compare", "compare-orders")   # those that start or join Ray
+RAY_COMMANDS = ("regenerate", "prepare", "train", "compare", "compare-orders", "tune")   # those that start or join Ray
 USAGE = "dflash-ray <command> [--cfg job] [--json] [--debug] [overrides...]"
 OVERRIDES = ("Overrides use Hydra's grammar on the config in dflash_ray/conf/: a.b=1, ++a.b=1, ~a.b (back to its default), "
              "group=option, lists [1,2] and dicts {a: 1}; +name=1 adds a key at the root. --cfg job prints the "
@@ -220,6 +232,20 @@ def _parser(cmd: str) -> argparse.ArgumentParser:
         p.add_argument("--plot", metavar="PNG", help="bucket sequence and run lengths per strategy")
     if cmd == "compare":
         p.add_argument("sweep", metavar="KEY=V1,V2[,...]", help="the config key to compare and its values")
+    if cmd == "tune":
+        p.add_argument("--samples", type=int, default=1, metavar="N",
+                       help="trials per combination of the grids' values (each draws the other keys anew); default 1")
+        p.add_argument("--metric", default="tau", choices=("tau", "loss"),
+                       help="what ranks and stops trials: held-out tau (default; higher is better) or training loss")
+        p.add_argument("--scheduler", default="asha", choices=("asha", "none"),
+                       help="asha: stop hopeless trials early on the metric (default); none: every trial to its end")
+        p.add_argument("--grace", type=int, default=2, metavar="N",
+                       help="reports a trial makes before ASHA may stop it (default 2)")
+        p.add_argument("--max-concurrent", type=int, default=None, metavar="N",
+                       help="trials at once at most (default: as many as the cluster's free resources hold)")
+        p.add_argument("--report-every", type=int, default=None, metavar="STEPS",
+                       help="with --metric loss and no evaluations: a report every STEPS steps (default "
+                            "train.heldout_every, else 10)")
     if cmd == "compare-orders":
         p.add_argument("--strategies", default=None, metavar="A,B",
                        help="the interleave strategies to train, comma-separated (default: all of them)")
@@ -347,6 +373,15 @@ def _dispatch(cmd: str, args) -> int:
 
         args.sweeps, overrides = take_sweeps(args.sweep, overrides)
         args.overrides = overrides
+    if cmd == "tune":   # the search space's dimensions are tune's; the base config is the rest
+        from dflash_ray.search_space import parse_space
+
+        args.dims, overrides = parse_space(overrides)
+        args.overrides = overrides
+        for flag in ("samples", "grace", "max_concurrent", "report_every"):
+            value = getattr(args, flag)
+            if value is not None and value < 1:
+                raise UserError(f"tune: --{flag.replace('_', '-')} {value}: must be 1 or more")
     cfg = compose_config(overrides)
     if args.cfg == "job":
         print(to_yaml(cfg), end="")
@@ -357,6 +392,7 @@ def _dispatch(cmd: str, args) -> int:
     resolve_model_paths(cfg, log=lambda m: print(m, file=sys.stderr, flush=True))
     handler = {"regenerate": regenerate_command, "prepare": prepare_command, "plan": plan_command,
                "train": train_command, "compare": compare_command, "compare-orders": compare_orders_command,
+               "tune": tune_command,
                "eval": eval_command,
                "export": export_command, "push": push_command, "plot": plot_command}[cmd]
     return handler(cfg, args)
@@ -607,6 +643,20 @@ def _print_comparison(result: dict, as_json: bool) -> int:
         for p in result["pngs"]:
             print(p)
     return 0
+
+
+def tune_command(cfg, args) -> int:
+    """A sweep on Ray Tune over the search space (dflash_ray/sweep.py); resumes when rerun."""
+    from dflash_ray.sweep import SweepOptions, format_rows, sweep
+
+    opts = SweepOptions(samples=args.samples, metric=args.metric, scheduler=args.scheduler,
+                        max_concurrent=args.max_concurrent, grace=args.grace, report_every=args.report_every)
+    result = sweep(cfg, args.dims, list(args.overrides), opts,
+                   log=(lambda *a, **k: print(*a, file=sys.stderr, **k)) if args.json else print)
+    print(json.dumps(result, indent=2) if args.json else format_rows(result, args.dims))
+    if result["unfinished"]:
+        return 130   # interrupted (Ctrl-C): the shell's code for it
+    return 0 if result["best"] is not None else 1
 
 
 def export_command(cfg, args) -> int:

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from dflash_ray.data.interleave import STRATEGIES
+from dflash_ray.search_space import split_values
 
 
 def roughness(losses, window: int = 9) -> dict:
@@ -48,27 +49,6 @@ def bucket_usage(ledger: list[dict], num_buckets: int) -> dict:
               for part in quarters]
     ends = [float((np.nonzero(seq == b)[0].max() + 1) / n) if (seq == b).any() else None for b in range(num_buckets)]
     return {"buckets_in_order": buckets, "quarter_shares_pct": shares, "bucket_end_fraction": ends}
-
-
-def split_values(text: str) -> list[str]:
-    """V1,V2,... split at the commas outside brackets and quotes (a value may be a list: [512,1024])."""
-    out, depth, quote, cur = [], 0, None, ""
-    for ch in text:
-        if quote:
-            quote = None if ch == quote else quote
-        elif ch in "'\"":
-            quote = ch
-        elif ch in "[{(":
-            depth += 1
-        elif ch in "]})":
-            depth -= 1
-        elif ch == "," and depth == 0:
-            out.append(cur)
-            cur = ""
-            continue
-        cur += ch
-    out.append(cur)
-    return [v.strip() for v in out]
 
 
 def parse_sweep(sweep: str) -> tuple[str, list[str]]:

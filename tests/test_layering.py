@@ -98,7 +98,7 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
 # imports from its own floor and those below. docs/design.md shows the same order.
 FLOORS = [
     ("base", ["errors", "atomic", "required", "machine_cache", "tokenizer", "processor", "run_layout", "hf_config",
-              "config", "console"]),
+              "config", "console", "search_space"]),
     ("data", ["data"]),
     ("sizing", ["sizing"]),
     ("model", ["model"]),
@@ -110,7 +110,7 @@ FLOORS = [
     ("runtime", ["runtime.spec", "runtime.plan_sizing", "runtime.fit", "runtime.checkpoints"]),
     ("jobs", ["runtime.jobs"]),
     ("recipe", ["train", "demo"]),
-    ("entry points", ["compare", "cli", "publish", "__main__"]),
+    ("entry points", ["compare", "sweep", "cli", "publish", "__main__"]),
 ]
 
 

@@ -59,10 +59,11 @@ def _generate_token() -> None:
 
 
 @contextlib.contextmanager
-def ray_cluster(cluster, log=print):
+def ray_cluster(cluster, log=print, runs: int = 1):
     """Connect to cluster.address / $RAY_ADDRESS, or start a local Ray (shut down again on exit).
     `cluster` is the typed cluster config. Yields the Ray session's log directory (None when Ray was
-    already connected): where Ray's own messages are, which its INFO lines no longer print (--debug: they do)."""
+    already connected): where Ray's own messages are, which its INFO lines no longer print (--debug: they do).
+    runs: how many runs the local Ray must hold at once (a sweep's concurrent trials: its target resource)."""
     import logging
 
     import ray
@@ -89,7 +90,7 @@ def ray_cluster(cluster, log=print):
         yield _logs_dir(context)
         return
     stages = getattr(cluster, "target_gpus_per_replica", 1)
-    resources = {} if cluster.use_gpu else {cluster.target_resource: float(cluster.target_workers * stages)}
+    resources = {} if cluster.use_gpu else {cluster.target_resource: float(cluster.target_workers * stages * runs)}
     # Ray runs its workers at niceness 15 so that its own daemons come first; on a machine shared with other
     # work that hands the run's CPU to any nice-0 process: beside one busy loop the drafter's training ran
     # 4.4x slower (1,060 vs 4,700 tokens/s, benchmarks/bench_first_run.py). A local Ray is the run's own:
@@ -100,15 +101,17 @@ def ray_cluster(cluster, log=print):
     os.environ.setdefault(HEALTH_CHECK, "0.5")
     for key, value in KEEP_IDLE_WORKERS.items():
         os.environ.setdefault(key, value)
-    start = f"scripts/ray-start.sh --head --num-cpus {cluster.num_cpus}" + (
+    # a sweep's local Ray holds `runs` runs: its logical CPUs too (oversubscribed, as a single run's are)
+    num_cpus = cluster.num_cpus if runs == 1 else (cluster.num_cpus or os.cpu_count() or 1) * runs
+    start = f"scripts/ray-start.sh --head --num-cpus {num_cpus}" + (
         f" --resources '{json.dumps(resources)}'" if resources else "")
     context = _ray_init("a local Ray did not start",
                         "retry when the machine is less busy (Ray waits 30 s for its node's processes), or start Ray "
                         f"once with `{start}` and run with cluster.address=auto",
-                        num_cpus=cluster.num_cpus, object_store_memory=cluster.object_store_memory,
+                        num_cpus=num_cpus, object_store_memory=cluster.object_store_memory,
                         resources=resources, runtime_env=runtime_env, log_to_driver=False, logging_level=level)
     logs = _logs_dir(context)
-    log(f"started a local Ray ({cluster.num_cpus} CPUs, resources {resources or 'GPUs'}; its logs: {logs})")
+    log(f"started a local Ray ({num_cpus} CPUs, resources {resources or 'GPUs'}; its logs: {logs})")
     try:
         yield logs
     finally:
@@ -134,31 +137,53 @@ def _ray_init(what: str, advice: str, **kwargs):
         raise UserError(f"{what} ({said}): {advice}") from e
 
 
+def run_need(cluster) -> dict:
+    """What one run asks of the cluster: its GPUs (target replicas' stages and drafter workers), or on CPUs
+    its target resource's slots, and its CPUs (trainers 1 each, target actors 1 on a GPU or 0.5 on CPUs, a
+    token-join task 0.25)."""
+    c = cluster
+    k = getattr(c, "target_gpus_per_replica", 1)   # a target replica's stages, each an actor's share
+    need = {"CPU": c.drafter_workers + c.target_workers * k * (1 if c.use_gpu else 0.5) + 0.25}
+    if c.use_gpu:
+        need["GPU"] = c.target_workers * c.target_gpus * k + c.drafter_workers * c.drafter_gpus
+    else:
+        need[c.target_resource] = float(c.target_workers * k)
+    return need
+
+
 def check_resources(cluster) -> None:
     """Fail before training when the cluster cannot place the actors (rather than hanging)."""
     import ray
 
     total = ray.cluster_resources()
     c = cluster
-    k = getattr(c, "target_gpus_per_replica", 1)   # a target replica's stages, each an actor's share
+    k = getattr(c, "target_gpus_per_replica", 1)
+    need = run_need(c)
     if c.use_gpu:
-        need = c.target_workers * c.target_gpus * k + c.drafter_workers * c.drafter_gpus
-        if total.get("GPU", 0) < need - 1e-9:
+        if total.get("GPU", 0) < need["GPU"] - 1e-9:
             replica = f" x {k} (cluster.target_gpus_per_replica)" if k > 1 else ""
             raise UserError(f"cluster has {total.get('GPU', 0):g} GPUs but cluster.target_workers x target_gpus"
                             f"{' x target_gpus_per_replica' if k > 1 else ''} + cluster.drafter_workers x drafter_gpus = "
-                            f"{c.target_workers} x {c.target_gpus:g}{replica} + {c.drafter_workers} x {c.drafter_gpus:g} = {need:g}")
-    elif total.get(c.target_resource, 0) < c.target_workers * k:
+                            f"{c.target_workers} x {c.target_gpus:g}{replica} + {c.drafter_workers} x {c.drafter_gpus:g} = {need['GPU']:g}")
+    elif total.get(c.target_resource, 0) < need[c.target_resource]:
         raise UserError(f"cluster has {total.get(c.target_resource, 0):g} of resource '{c.target_resource}' "
                         f"but cluster.target_workers{' x target_gpus_per_replica' if k > 1 else ''} = "
                         f"{c.target_workers * k} (start Ray with "
                         f"--resources '{{\"{c.target_resource}\": {c.target_workers * k}}}')")
-    # trainers take 1 CPU each, target actors 1 (GPU) or 0.5 (CPU), a token-join task 0.25
-    need_cpu = c.drafter_workers + c.target_workers * k * (1 if c.use_gpu else 0.5) + 0.25
-    if total.get("CPU", 0) < need_cpu:
+    if total.get("CPU", 0) < need["CPU"]:
         raise UserError(f"cluster has {total.get('CPU', 0):g} CPUs but cluster.drafter_workers = "
                         f"{c.drafter_workers} and cluster.target_workers = {c.target_workers} need "
-                        f"{need_cpu:g} (on one machine, raise cluster.num_cpus: oversubscribing is fine)")
+                        f"{need['CPU']:g} (on one machine, raise cluster.num_cpus: oversubscribing is fine)")
+
+
+def runs_that_fit(cluster) -> int:
+    """How many runs of this cluster config the cluster can hold at once (a sweep's concurrent trials): the
+    fewest copies of run_need that any of its resources holds, at least 1."""
+    import ray
+
+    total = ray.cluster_resources()
+    return max(1, min(int(total.get(key, 0.0) / amount + 1e-9) for key, amount in run_need(cluster).items()
+                      if amount > 0))
 
 
 def cap_gpu_memory(share: float) -> None:

@@ -187,7 +187,8 @@ def final_tau(run_spec, export_dir: str, log=print, wait_s: float = RESOURCE_WAI
     if not resource_free_within(name, amount, wait_s):
         log(f"held-out tau: no free {name} for a target-side task after {wait_s:.0f} s; measured in the driver")
         return initial_and_trained_tau(run_spec, files, prompts)
-    task = ray.remote(initial_and_trained_tau).options(**res)
+    # DEFAULT: never inside the caller's placement group (a sweep's trial runs in Ray Tune's, which holds no target slot)
+    task = ray.remote(initial_and_trained_tau).options(**res, scheduling_strategy="DEFAULT")
     return ray.get(task.remote(run_spec, ray.put(files), prompts))
 
 

@@ -54,8 +54,9 @@ def target_pool(cluster, resources: dict) -> tuple[int, int]:
     return slots, 1 if cluster.use_gpu else max(1, usable_cores() // max(1, slots))
 
 
-def compute_offline_features(run_spec, feed_table, tokens_ref, log=print) -> dict:
-    """Run the pass; returns what it did (summary.json's "offline_features")."""
+def compute_offline_features(run_spec, feed_table, tokens_ref, log=print, node_id: str | None = None) -> dict:
+    """Run the pass; returns what it did (summary.json's "offline_features"). node_id: on that node's target
+    slots only, every row written to its cache (a sweep's pass, once per node: fill_feature_cache)."""
     import ray
     from ray.data import ActorPoolStrategy
 
@@ -67,11 +68,15 @@ def compute_offline_features(run_spec, feed_table, tokens_ref, log=print) -> dic
     s, c = run_spec, run_spec.cluster
     rows = pass_rows(feed_table)
     resources = node_resources()
+    pin = {}
+    if node_id is not None:   # Ray's own per-node resource ("node:<ip>", 1 on each node) pins every task and actor
+        resources = {node_id: resources.get(node_id, {})}
+        pin = {k: 0.001 for k in resources[node_id] if k.startswith("node:") and k != "node:__internal_head__"}
     actors, threads = target_pool(c, resources)
     if actors < 1:
         raise RuntimeError(f"no node can host a target actor for the offline pass: nodes {resources}")
     t0 = time.perf_counter()
-    out = {"rows": rows.num_rows, "actors": actors, "threads": threads, "computed_batches": 0,
+    out = {"node": node_id, "rows": rows.num_rows, "actors": actors, "threads": threads, "computed_batches": 0,
            "computed_tokens": 0, "seconds": 0.0}
     if rows.num_rows == 0:
         return out
@@ -79,8 +84,10 @@ def compute_offline_features(run_spec, feed_table, tokens_ref, log=print) -> dic
                                block_budget_mb(c.stream_block_mb, resources))
     n = -(-rows.num_rows // per_block)
     res = target_actor_resources(c)
+    if pin:
+        res = {**res, "resources": {**res.get("resources", {}), **pin}}
     ds = ray.data.range(n, override_num_blocks=n).map_batches(
-        offline_tokens, batch_size=1, num_cpus=0.25,
+        offline_tokens, batch_size=1, num_cpus=0.25, resources=pin or None,
         fn_kwargs=dict(feed=_Ref(ray.put(rows)), tokens=_Ref(tokens_ref), pad_id=s.pad_token_id,
                        block_size=s.drafter.block_size, rows_per_block=per_block, num_rows=rows.num_rows))
     ds = ds.map_batches(TargetForward, batch_size=None, compute=ActorPoolStrategy(size=min(actors, n)),
@@ -90,7 +97,9 @@ def compute_offline_features(run_spec, feed_table, tokens_ref, log=print) -> dic
         out["computed_batches"] += int(np.sum(b["computed_batches"]))
         out["computed_tokens"] += int(np.sum(b["computed_tokens"]))
     out["seconds"] = round(time.perf_counter() - t0, 2)
-    log(f"target features, offline: {out['computed_tokens']:,} tokens in {out['computed_batches']} batches computed "
+    where = f" on node {node_id[:8]}" if node_id else ""
+    log(f"target features, offline{where}: {out['computed_tokens']:,} tokens in {out['computed_batches']} batches computed "
         f"and cached in {out['seconds']:.0f} s ({actors} target actor(s) x {threads} thread(s); "
         f"{rows.num_rows - out['computed_batches']} batches were cached already)")
     return out
+
