@@ -101,17 +101,15 @@ def compare(cfg, sweeps: dict, overrides: list[str], *, log=print, out_suffix: s
             json_name: str = "compare.json") -> dict:
     """Train once per value of the swept keys ({key: values}, run i with every key's i-th value; runs named
     <run.name>-<key's leaf>-<value>...) on the data, target and seed of the base config; returns the
-    table's rows and writes the JSON and PNGs under <run.dir><out_suffix>/."""
-    from omegaconf import OmegaConf
-
+    table's rows and writes the JSON and PNGs under <run.dir><out_suffix>/. The runs are a grid sweep on
+    Ray Tune (sweep.py) with no early stopping: side by side where the cluster holds more than one run,
+    resumed by a rerun of the same command."""
     from dflash_ray.config import compose_config
-    from dflash_ray.demo.world import make_demo_inputs, make_missing_inputs
-    from dflash_ray.runtime.cluster import ray_cluster
     from dflash_ray.run_layout import RunLayout
     from dflash_ray.runtime.record.ledger import read_jsonl
     from dflash_ray.runtime.record.record import last_metrics
-    from dflash_ray.runtime.spec import resolve_spec
-    from dflash_ray.train import main_job
+    from dflash_ray.errors import UserError
+    from dflash_ray.sweep import SweepOptions, sweep, tau_curve, train_seconds
 
     keys = list(sweeps)
     key = " / ".join(keys)
@@ -119,36 +117,31 @@ def compare(cfg, sweeps: dict, overrides: list[str], *, log=print, out_suffix: s
     base_overrides = [o for o in overrides if not o.startswith(("run.name=", *(f"{k}=" for k in keys)))]
     for setting in runs:   # every value composes before anything trains (a typo fails in one line, at once)
         compose_config([*base_overrides, *setting])
+    names = [f"{cfg.run.name}-" + "-".join(run_label(*x.split("=", 1)) for x in setting) for setting in runs]
     out_dir = Path(str(cfg.run.dir) + out_suffix)
+    # each run as configured (train.features too: a comparison trains what the user asked, nothing shared)
+    result = sweep(cfg, [], base_overrides, SweepOptions(metric="loss", scheduler="none"), log=log,
+                   settings=runs, names=names, out_suffix=out_suffix, features=False)
+    for r in result["rows"]:
+        if r["status"] != "finished":
+            raise UserError(f"compare: the run with {r['setting']} {r['status']}: {r['error'] or 'see ' + r['run_dir']}")
     rows = {}
-    with ray_cluster(OmegaConf.to_object(cfg.cluster), log=log):
-        # the data, target and held-out prompts every run shares (each run checks its own record, not the base's)
-        make_demo_inputs(cfg, log=log)
-        make_missing_inputs(cfg, log=log)
-        base = resolve_spec(cfg, log=log, record=False)
-        shared = [f"data.input={cfg.data.input}", f"data.tokenizer={base.tokenizer}", f"data.shards={base.shards}",
-                  f"model.target_path={base.target_path}"]
-        if base.heldout:
-            shared.append(f"data.prompts={base.heldout}")
-        for setting in runs:
-            value = " / ".join(x.partition("=")[2] for x in setting)
-            label = "-".join(run_label(*x.split("=", 1)) for x in setting)
-            run_cfg = compose_config([*base_overrides, *shared, f"run.name={cfg.run.name}-{label}", *setting])
-            log(f"compare: training with {' '.join(setting)}")
-            spec, summary = main_job(run_cfg, progress=False, log=lambda *a, **k: None, plan_log=lambda *a, **k: None)
-            metrics = last_metrics(spec.run_dir)
-            files = RunLayout(spec.run_dir)
-            tau = (summary.get("heldout_tau") or {}).get("trained") or {}
-            rows[value] = {
-                "final_loss": summary["final_loss"], "heldout_tau": tau.get("tau"),
-                "tokens": summary["tokens"], "block_tokens": summary.get("block_tokens"),
-                "block_tokens_per_token": summary.get("block_tokens_per_token"),
-                "train_seconds": train_seconds(metrics),
-                "tau_curve": tau_curve(metrics, read_jsonl(files.evals) if files.evals.exists() else []),
-                "losses": [m["loss"] for m in metrics],
-                **roughness([m["loss"] for m in metrics]),
-                **bucket_usage(read_jsonl(files.ledger), len(spec.plan.boundaries)),
-                "run_dir": spec.run_dir}
+    for setting, r in zip(runs, sorted(result["rows"], key=lambda r: names.index(r["trial"]))):
+        value = " / ".join(x.partition("=")[2] for x in setting)
+        files = RunLayout(r["run_dir"])
+        summary = json.loads(files.summary.read_text())
+        metrics = last_metrics(r["run_dir"])
+        tau = (summary.get("heldout_tau") or {}).get("trained") or {}
+        rows[value] = {
+            "final_loss": summary["final_loss"], "heldout_tau": tau.get("tau"),
+            "tokens": summary["tokens"], "block_tokens": summary.get("block_tokens"),
+            "block_tokens_per_token": summary.get("block_tokens_per_token"),
+            "train_seconds": train_seconds(metrics),
+            "tau_curve": tau_curve(metrics, read_jsonl(files.evals) if files.evals.exists() else []),
+            "losses": [m["loss"] for m in metrics],
+            **roughness([m["loss"] for m in metrics]),
+            **bucket_usage(read_jsonl(files.ledger), len(summary["plan"]["order"]["counts"])),
+            "run_dir": r["run_dir"]}
     equal_time(rows)
     out_dir.mkdir(parents=True, exist_ok=True)
     pngs = plot_comparison(rows, out_dir, f"the same drafter, data and seed; only {key} differs", out_dir.name)
@@ -160,27 +153,6 @@ def compare(cfg, sweeps: dict, overrides: list[str], *, log=print, out_suffix: s
 
 def report_row(row: dict) -> dict:
     return {k: v for k, v in row.items() if k not in ("losses", "buckets_in_order")}
-
-
-def train_seconds(metrics: list[dict]) -> float:
-    """Seconds of training steps (each step's step_seconds: data waits and compute; evaluations, which run
-    beside training in their own task, and start-up are not in it)."""
-    return float(sum(m.get("step_seconds", 0.0) for m in metrics))
-
-
-def tau_curve(metrics: list[dict], evals: list[dict]) -> list[dict]:
-    """Each in-training held-out tau with the training seconds and context tokens up to its step."""
-    secs, toks, out = {}, {}, []
-    s = t = 0.0
-    for m in metrics:
-        s += m.get("step_seconds", 0.0)
-        t += m.get("tokens", 0)
-        secs[int(m["step"])], toks[int(m["step"])] = s, t
-    for e in evals:
-        step = int(e["step"])
-        if step in secs:
-            out.append({"step": step, "tau": e["tau"], "train_seconds": secs[step], "tokens": int(toks[step])})
-    return out
 
 
 def equal_time(rows: dict) -> None:

@@ -17,7 +17,8 @@
                 unfinished ones resumed from their runs' own checkpoints (exactly once, as a single run)
 
 <run.dir>-tune/ holds space.json (the search space, checked at a resume), sweep/ (Ray Tune's state),
-features-*/ (the feature passes' records), one run directory per trial and tune.json (the table).
+features-*/ (the feature passes' records), one run directory per trial (compare's: under run.root), summary.json (the table) and
+sweep_<metric>.png (every trial's metric against its training time).
 """
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from dflash_ray.search_space import Dimension, format_value, override, trial_cou
 
 METRICS = {"tau": "max", "loss": "min"}   # the metric a sweep ranks by, and which way is better
 STATE = "sweep"                           # Ray Tune's experiment, under <run.dir>-tune/
+SETTING = "setting"                       # compare's one dimension: the index of a trial's settings
 
 
 # ----------------------------------------------------------------------------- what a trial reports
@@ -87,6 +89,21 @@ class TrialSetup:
     keys: list[str]
     every: int
     evaluations: bool
+    cwd: str = "."                            # the driver's: relative paths in the overrides mean the same here
+    settings: list[list[str]] | None = None   # compare: each trial's overrides, by config[SETTING]
+    names: list[str] | None = None            # compare: each setting's run name
+    name: str = "sweep"                       # tune: trials are <name>-<index>
+
+    def overrides(self, config: dict) -> list[str]:
+        if self.settings is not None:
+            return list(self.settings[int(config[SETTING])])
+        return [override(k, config[k]) for k in self.keys]
+
+    def trial_name(self, trial) -> str:
+        """The trial's run name (its run directory and Ray Train experiment)."""
+        if self.names is not None:
+            return self.names[int(trial.config[SETTING])]
+        return f"{self.name}-{trial.trial_id.rsplit('_', 1)[-1]}"
 
 
 def run_trial(config: dict, setup: TrialSetup) -> None:
@@ -101,9 +118,12 @@ def run_trial(config: dict, setup: TrialSetup) -> None:
     from dflash_ray.runtime.record.ledger import read_jsonl
     from dflash_ray.train import main_job
 
+    import os
+
+    if os.path.isdir(setup.cwd):   # Ray Tune starts a trial in a directory of its own
+        os.chdir(setup.cwd)
     name = tune.get_context().get_trial_name()
-    cfg = compose_config([*setup.base, f"run.root={setup.root}", f"run.name={name}",
-                          *(override(k, config[k]) for k in setup.keys)])
+    cfg = compose_config([*setup.base, f"run.root={setup.root}", f"run.name={name}", *setup.overrides(config)])
     layout = RunLayout(str(cfg.run.dir))
     layout.root.mkdir(parents=True, exist_ok=True)
     log_file = open(layout.root / "trial.log", "a", buffering=1)
@@ -138,6 +158,27 @@ def run_trial(config: dict, setup: TrialSetup) -> None:
         log_file.close()
     forward()
     tune.report(final_row(read_jsonl(layout.metrics), summary, every=setup.every))
+
+
+def train_seconds(metrics: list[dict]) -> float:
+    """Seconds of training steps (each step's step_seconds: data waits and compute; evaluations, which run
+    beside training in their own task, and start-up are not in it)."""
+    return float(sum(m.get("step_seconds", 0.0) for m in metrics))
+
+
+def tau_curve(metrics: list[dict], evals: list[dict]) -> list[dict]:
+    """Each in-training held-out tau with the training seconds and context tokens up to its step."""
+    secs, toks, out = {}, {}, []
+    s = t = 0.0
+    for m in metrics:
+        s += m.get("step_seconds", 0.0)
+        t += m.get("tokens", 0)
+        secs[int(m["step"])], toks[int(m["step"])] = s, t
+    for e in evals:
+        step = int(e["step"])
+        if step in secs:
+            out.append({"step": step, "tau": e["tau"], "train_seconds": secs[step], "tokens": int(toks[step])})
+    return out
 
 
 # ----------------------------------------------------------------------------- the space, checked
@@ -200,8 +241,16 @@ def scheduler_for(opts: SweepOptions):
     return ASHAScheduler(time_attr="training_iteration", max_t=10**6, grace_period=opts.grace, reduction_factor=3)
 
 
-def sweep(cfg, dims: list[Dimension], overrides: list[str], opts: SweepOptions, *, log=print) -> dict:
-    """Run (or resume) the sweep; returns {"rows": [...], "best": row or None, "dir": ...} and writes tune.json."""
+def sweep(cfg, dims: list[Dimension], overrides: list[str], opts: SweepOptions, *, log=print,
+          settings: list[list[str]] | None = None, names: list[str] | None = None, out_suffix: str = "-tune",
+          features: bool = True) -> dict:
+    """Run (or resume) a sweep; returns its result ({"rows": [...], "best": row or None, "dir": ...}), also
+    written to <run.dir><out_suffix>/summary.json with a PNG of every trial's metric against training time.
+    The trials: the search space `dims` (run names <run.name>-<index> under the sweep's directory), or, for
+    compare, `settings` (each trial's overrides) named `names` (under run.root, as single runs are).
+    features: one feature pass for every trial (tune); False: the trials' train.features as configured."""
+    import os
+
     from omegaconf import OmegaConf
 
     from dflash_ray.config import compose_config
@@ -211,13 +260,13 @@ def sweep(cfg, dims: list[Dimension], overrides: list[str], opts: SweepOptions, 
 
     if opts.metric not in METRICS:
         raise UserError(f"tune: --metric {opts.metric}: one of {', '.join(METRICS)}")
-    out_dir = Path(str(cfg.run.dir) + "-tune").resolve()
+    out_dir = Path(str(cfg.run.dir) + out_suffix).resolve()
     base_overrides = [o for o in overrides if not o.startswith(("run.name=", "run.root=", "run.dir="))]
-    space = {"space": [str(d) for d in dims], "samples": opts.samples, "metric": opts.metric,
-             "scheduler": opts.scheduler}
+    space = {"space": [str(d) for d in dims] if settings is None else settings, "samples": opts.samples,
+             "metric": opts.metric, "scheduler": opts.scheduler}
     space_file = out_dir / "space.json"
     if space_file.exists() and json.loads(space_file.read_text()) != space:
-        raise UserError(f"tune: {out_dir} holds a sweep of another space ({space_file}): resume it with the same "
+        raise UserError(f"{out_dir} holds a sweep of another space ({space_file}): resume it with the same "
                         f"command, or give another run.name")
     cluster = OmegaConf.to_object(cfg.cluster)
     with ray_cluster(cluster, log=log, runs=max(1, opts.max_concurrent or 1)):
@@ -232,40 +281,49 @@ def sweep(cfg, dims: list[Dimension], overrides: list[str], opts: SweepOptions, 
         if opts.metric == "tau" and not evaluations:
             raise UserError("tune: --metric tau needs held-out prompts (data.prompts, or the held-out slice prepare "
                             "writes) and train.heldout_every > 0 (the evaluations it reports); or use --metric loss")
-        every = opts.report_every or base.train.heldout_every or 10
         trial_base = [*base_overrides, *shared]
-        online = features_online(trial_base, base_overrides, log=log)
-        if not online:
+        online = not features or features_online(trial_base, base_overrides, log=log)
+        if features and not online:
             trial_base.append("train.features=hybrid")
 
         def identity_of(extra):
             c = compose_config([*trial_base, "train.features=online", *extra])
             return feature_identity(resolve_spec(c, log=lambda *a, **k: None, record=False))
 
-        groups = cache_groups(dims, identity_of)
+        groups = cache_groups(dims, identity_of) if settings is None else [[]]
         out_dir.mkdir(parents=True, exist_ok=True)
         space_file.write_text(json.dumps(space, indent=2))
-        concurrent = runs_that_fit(cluster)
-        if opts.max_concurrent:
-            concurrent = min(concurrent, opts.max_concurrent)
-        n = trial_count(dims, opts.samples)
-        log(f"tune: {n} trial(s) over {', '.join(d.key for d in dims)}, {concurrent} at a time (the cluster "
-            f"holds {runs_that_fit(cluster)} run(s) at once), metric {opts.metric} ({METRICS[opts.metric]}), "
-            f"scheduler {opts.scheduler}; under {out_dir}")
+        holds = runs_that_fit(cluster)
+        concurrent = min(holds, opts.max_concurrent) if opts.max_concurrent else holds
+        n = trial_count(dims, opts.samples) if settings is None else len(settings)
+        what = ", ".join(d.key for d in dims) if settings is None else "the compared settings"
+        log(f"tune: {n} trial(s) over {what}, {concurrent} at a time (the cluster holds {holds} run(s) at once), "
+            f"metric {opts.metric} ({METRICS[opts.metric]}), scheduler {opts.scheduler}; under {out_dir}")
         passes = [] if online else feature_passes(trial_base, groups, out_dir, cfg.run.name, log=log)
-        setup = TrialSetup(base=trial_base, root=str(out_dir), keys=[d.key for d in dims], every=every,
-                           evaluations=evaluations)
-        grid = run_tuner(dims, setup, opts, out_dir, concurrent, str(cfg.run.name), log=log)
-    rows = result_rows(grid, dims, out_dir)
+        setup = TrialSetup(base=trial_base, root=str(out_dir) if settings is None else str(Path(cfg.run.root).resolve()),
+                           keys=[d.key for d in dims], every=opts.report_every or base.train.heldout_every or 10,
+                           evaluations=evaluations, settings=settings, names=names, name=str(cfg.run.name),
+                           cwd=os.getcwd())
+        space_param = tune_space(dims) if settings is None else {SETTING: _grid(list(range(len(settings))))}
+        grid = run_tuner(space_param, setup, opts, out_dir, concurrent, log=log)
+    rows = result_rows(grid, dims, out_dir, setup)
     best = best_row(rows, opts.metric)
-    unfinished = sum(r["status"] == "unfinished" for r in rows)
+    # an interrupt leaves trials running, or not yet made (Ray Tune makes a trial when it can start it)
+    unfinished = sum(r["status"] == "unfinished" for r in rows) + max(0, n - len(rows))
     result = {"space": space, "dir": str(out_dir), "concurrent": concurrent, "feature_passes": passes,
               "rows": rows, "best": best, "unfinished": unfinished}
     if unfinished:
         log(f"tune: interrupted with {unfinished} trial(s) unfinished: rerun the same command to resume (finished "
             f"trials are kept, the others resume from their runs' checkpoints)")
-    (out_dir / "tune.json").write_text(json.dumps(result, indent=2))
+    result["png"] = str(plot_trials(rows, out_dir, opts.metric, setup))
+    (out_dir / "summary.json").write_text(json.dumps(result, indent=2))
     return result
+
+
+def _grid(values):
+    from ray import tune
+
+    return tune.grid_search(values)
 
 
 def features_online(trial_base: list[str], user: list[str], *, log=print) -> bool:
@@ -335,7 +393,7 @@ def fill_feature_cache(run_spec, log=print) -> list[dict]:
     return [compute_offline_features(run_spec, feed.table, tokens_ref, log=log, node_id=n) for n in nodes]
 
 
-def run_tuner(dims, setup: TrialSetup, opts: SweepOptions, out_dir: Path, concurrent: int, name: str, *, log=print):
+def run_tuner(space_param: dict, setup: TrialSetup, opts: SweepOptions, out_dir: Path, concurrent: int, *, log=print):
     from ray import tune
 
     trainable = tune.with_resources(tune.with_parameters(run_trial, setup=setup), {"CPU": 0.01})
@@ -344,15 +402,13 @@ def run_tuner(dims, setup: TrialSetup, opts: SweepOptions, out_dir: Path, concur
         log(f"tune: resuming the sweep at {state}: finished trials kept, unfinished ones resume their runs")
         tuner = tune.Tuner.restore(str(state), trainable, resume_unfinished=True, resume_errored=True)
     else:
-        def trial_name(trial) -> str:   # <run.name>-<index>: the trial's run directory and Ray Train experiment
-            return f"{name}-{trial.trial_id.rsplit('_', 1)[-1]}"
-
         tuner = tune.Tuner(
-            trainable, param_space=tune_space(dims),
+            trainable, param_space=space_param,
             tune_config=tune.TuneConfig(metric=opts.metric, mode=METRICS[opts.metric], num_samples=opts.samples,
                                         scheduler=scheduler_for(opts), max_concurrent_trials=concurrent,
-                                        trial_name_creator=trial_name, trial_dirname_creator=trial_name),
-            run_config=tune.RunConfig(name=STATE, storage_path=str(out_dir), verbose=0, callbacks=[trial_lines(log, opts.metric)],
+                                        trial_name_creator=setup.trial_name, trial_dirname_creator=setup.trial_name),
+            run_config=tune.RunConfig(name=STATE, storage_path=str(out_dir), verbose=0,
+                                      callbacks=[trial_lines(log, opts.metric)],
                                       failure_config=tune.FailureConfig(max_failures=0)))
     return tuner.fit()
 
@@ -386,7 +442,7 @@ def error_line(text: str) -> str:
     return lines[-1] if lines else "(no message)"
 
 
-def result_rows(grid, dims, out_dir: Path) -> list[dict]:
+def result_rows(grid, dims, out_dir: Path, setup: TrialSetup) -> list[dict]:
     """One row per trial: its values, how it ended (finished; stopped by the scheduler; failed; unfinished, when
     the sweep was interrupted) and its last report."""
     from ray.tune import ExperimentAnalysis
@@ -400,10 +456,12 @@ def result_rows(grid, dims, out_dir: Path) -> list[dict]:
         name = Path(r.path).name if r.path else None
         status = ("failed" if r.error else "finished" if m.get("final")
                   else "unfinished" if statuses.get(name) in ("RUNNING", "PENDING", "PAUSED") else "stopped")
-        rows.append({"trial": name, **{d.key: format_value(r.config.get(d.key)) for d in dims}, "status": status,
+        values = ({d.key: format_value(r.config.get(d.key)) for d in dims} if setup.settings is None
+                  else {SETTING: " ".join(setup.settings[int(r.config[SETTING])])})
+        rows.append({"trial": name, **values, "status": status,
                      "reports": m.get("training_iteration"), "step": m.get("step"), "loss": m.get("loss"),
                      "tau": m.get("tau"), "tokens": m.get("tokens"), "train_seconds": m.get("train_seconds"),
-                     "run_dir": str(out_dir / name) if name else None,
+                     "run_dir": str(Path(setup.root) / name) if name else None,
                      "error": error_line(r.error) if r.error else None})
     return sorted(rows, key=lambda x: str(x["trial"]))
 
@@ -416,11 +474,47 @@ def best_row(rows: list[dict], metric: str) -> dict | None:
     return (max if METRICS[metric] == "max" else min)(done, key=lambda r: r[metric])
 
 
+def plot_trials(rows: list[dict], out_dir: Path, metric: str, setup: TrialSetup) -> Path:
+    """sweep_<metric>.png: every trial's reports (held-out tau, or the training loss) against its training
+    seconds, read back from its run's record as the trial reported them; a stopped trial's line ends early."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from dflash_ray.run_layout import RunLayout
+    from dflash_ray.runtime.record.ledger import read_jsonl
+
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    for r in rows:
+        if not r["run_dir"]:
+            continue
+        layout = RunLayout(r["run_dir"])
+        points = report_rows(read_jsonl(layout.metrics), read_jsonl(layout.evals), every=setup.every,
+                             evaluations=setup.evaluations)
+        points = [p for p in points if p.get(metric) is not None]
+        if r["status"] == "finished" and r.get(metric) is not None and r.get("train_seconds") is not None:
+            points.append({"train_seconds": r["train_seconds"], metric: r[metric]})   # after training
+        if points:
+            ax.plot([p["train_seconds"] for p in points], [p[metric] for p in points], marker="o", ms=3, lw=1,
+                    label=f"{r['trial']} ({r['status']})")
+    ax.set_xlabel("training seconds")
+    ax.set_ylabel("held-out tau" if metric == "tau" else "training loss (mean since the last report)")
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    path = out_dir / f"sweep_{metric}.png"
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def format_rows(result: dict, dims) -> str:
-    keys = [d.key for d in dims]
-    head = ["trial", *keys, "status", "step", "loss", "tau"]
+    keys = [d.key for d in dims] or [SETTING]
+    head = ["trial", *keys, "status", "step", "loss", "tau", "tokens", "train s"]
     table = [[str(r["trial"]), *(str(r[k]) for k in keys), r["status"], str(r["step"] if r["step"] is not None else "-"),
-              _num(r["loss"]), _num(r["tau"])] for r in result["rows"]]
+              _num(r["loss"]), _num(r["tau"]), str(r["tokens"] if r["tokens"] is not None else "-"),
+              "-" if r["train_seconds"] is None else f"{r['train_seconds']:.0f}"] for r in result["rows"]]
     widths = [max(len(h), *(len(row[i]) for row in table)) if table else len(h) for i, h in enumerate(head)]
     lines = ["  ".join(h.ljust(w) for h, w in zip(head, widths))]
     lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)) for row in table]
@@ -432,5 +526,5 @@ def format_rows(result: dict, dims) -> str:
                      f"({', '.join(f'{k}={best[k]}' for k in keys)}): its drafter is {best['run_dir']}/export")
     else:
         lines.append("no trial finished")
-    lines.append(f"table: {result['dir']}/tune.json")
+    lines.append(f"table: {result['dir']}/summary.json; curves: {result['png']}")
     return "\n".join(lines)

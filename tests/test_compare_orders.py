@@ -14,7 +14,8 @@ from helpers_cluster import RUNTIME_RUN
 
 from dflash_ray.data.interleave import STRATEGIES
 from dflash_ray.errors import UserError
-from dflash_ray.compare import bucket_usage, equal_time, parse_sweep, roughness, take_sweeps, tau_curve
+from dflash_ray.compare import bucket_usage, equal_time, parse_sweep, roughness, take_sweeps
+from dflash_ray.sweep import tau_curve
 
 
 def test_roughness_by_hand():
@@ -135,26 +136,18 @@ def compared(train_run, tiny_data):
     """`compare model.anchors_per_batch=null,4` once, on RUNTIME_RUN's two epochs with train.grad_accum=3 and
     model.compute_dtype=bfloat16: the runs of the compare test below and of the bf16 test after it (one
     Ray Train fit's worth of start-up saved; neither setting changes what the other test checks, so a fault
-    in either fails both, each of which also checks its own facts). Returns (exit code, stdout, root,
-    {run.name: (spec, summary)} of main_job's own returns)."""
+    in either fails both, each of which also checks its own facts). The runs are Ray Tune trials (other
+    processes): each one's summary.json is read back. Returns (exit code, stdout, root, {run.name: summary})."""
     import contextlib
     import io
 
-    import dflash_ray.train
     from dflash_ray.cli import main
 
-    runs, main_job = {}, dflash_ray.train.main_job
-
-    def spy(cfg, **kw):
-        spec, summary = main_job(cfg, **kw)
-        runs[str(cfg.run.name)] = (spec, summary)
-        return spec, summary
-
     root, out = train_run.root, io.StringIO()
-    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(out):
-        mp.setattr(dflash_ray.train, "main_job", spy)   # compare imports it when it runs
+    with contextlib.redirect_stdout(out):
         code = main(["compare", "model.anchors_per_batch=null,4", f"run.root={root}", "run.name=cmpd", *tiny_data,
                      *RUNTIME_RUN, *BF16, "train.heldout_every=2"])
+    runs = {p.parent.name: json.loads(p.read_text()) for p in root.glob("cmpd-anchors_per_batch-*/summary.json")}
     return code, out.getvalue(), root, runs
 
 
@@ -196,8 +189,8 @@ def test_a_bf16_run_crosses_its_epoch_ends(compared, tiny_plan_batches):
     code, out, _, runs = compared
     assert code == 0, out[-3000:]
     assert sorted(runs) == ["cmpd-anchors_per_batch-4", "cmpd-anchors_per_batch-null"]
-    for spec, s in runs.values():
-        assert spec.compute_dtype == "bfloat16"
+    for s in runs.values():
+        assert s["compute_dtype"] == "bfloat16"
         assert s["ledger"]["ok"] and s["epochs_finished"] == [0, 1]
         assert s["steps"] == sum(-(-n // per_step) for n in tiny_plan_batches)
         assert math.isfinite(s["final_loss"])

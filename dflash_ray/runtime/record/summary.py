@@ -89,7 +89,7 @@ def build_summary(run_spec, plans, plan_summary: dict, report: dict, *, latest: 
         "best": _best(run_spec, report.get("evals", [])),
         "measured": measured_rates(report["targets"], metrics, c.drafter_workers),
         "model": asdict(run_spec.drafter),
-        "target_path": run_spec.target_path, "use_gpu": c.use_gpu,
+        "target_path": run_spec.target_path, "use_gpu": c.use_gpu, "compute_dtype": run_spec.compute_dtype,
         "checkpoint": checkpoint, "ledger": check,
         "export": str(files.export),
     }
