@@ -396,6 +396,10 @@ def fill_feature_cache(run_spec, log=print) -> list[dict]:
 def run_tuner(space_param: dict, setup: TrialSetup, opts: SweepOptions, out_dir: Path, concurrent: int, *, log=print):
     from ray import tune
 
+    import os
+
+    # Ray Tune's own console (a banner, a table every few seconds, a TensorBoard hint): the sweep prints its lines
+    os.environ.setdefault("RAY_AIR_NEW_OUTPUT", "0")
     trainable = tune.with_resources(tune.with_parameters(run_trial, setup=setup), {"CPU": 0.01})
     state = out_dir / STATE
     if tune.Tuner.can_restore(str(state)):

@@ -177,11 +177,11 @@ def check_resources(cluster) -> None:
 
 
 def runs_that_fit(cluster) -> int:
-    """How many runs of this cluster config the cluster can hold at once (a sweep's concurrent trials): the
-    fewest copies of run_need that any of its resources holds, at least 1."""
+    """How many runs of this cluster config the cluster's free resources hold at once (a sweep's concurrent
+    trials): the fewest copies of run_need that any of its free resources holds, at least 1."""
     import ray
 
-    total = ray.cluster_resources()
+    total = ray.available_resources()
     return max(1, min(int(total.get(key, 0.0) / amount + 1e-9) for key, amount in run_need(cluster).items()
                       if amount > 0))
 
