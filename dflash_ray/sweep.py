@@ -111,14 +111,14 @@ def run_trial(config: dict, setup: TrialSetup) -> None:
     beside it reads the run's record files as they are written), then the last report. A rerun of the same
     trial (a resumed sweep) resumes its run from the run's own checkpoint and sends its reports again from
     the first."""
+    import os
+
     from ray import tune
 
     from dflash_ray.config import compose_config
     from dflash_ray.run_layout import RunLayout
     from dflash_ray.runtime.record.ledger import read_jsonl
     from dflash_ray.train import main_job
-
-    import os
 
     if os.path.isdir(setup.cwd):   # Ray Tune starts a trial in a directory of its own
         os.chdir(setup.cwd)
@@ -134,7 +134,7 @@ def run_trial(config: dict, setup: TrialSetup) -> None:
     sent = {"step": 0}
     lock = threading.Lock()
 
-    def forward(final: bool = False):
+    def forward():
         with lock:
             rows = report_rows(read_jsonl(layout.metrics), read_jsonl(layout.evals), every=setup.every,
                                evaluations=setup.evaluations, after=sent["step"])
