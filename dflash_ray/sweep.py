@@ -146,6 +146,12 @@ def run_trial(config: dict, setup: TrialSetup) -> None:
 
     def watch():
         while not stop.wait(0.5):
+            if stopped_by_tune():
+                # ASHA (or Ctrl-C) stopped the trial: Tune ends its session and drops the trial, but the run goes
+                # on in this process and holds its workers' and target actors' resources, which the next trial
+                # then waits for (its worker group timed out). Ending the process ends everything it owns; the
+                # run's record and checkpoints stay, as a killed run's do.
+                os._exit(0)
             forward()
 
     watcher = threading.Thread(target=watch, name="tune-reports", daemon=True)
@@ -179,6 +185,14 @@ def tau_curve(metrics: list[dict], evals: list[dict]) -> list[dict]:
         if step in secs:
             out.append({"step": step, "tau": e["tau"], "train_seconds": secs[step], "tokens": int(toks[step])})
     return out
+
+
+def stopped_by_tune() -> bool:
+    """Whether Ray Tune has stopped this trial: it shuts the trial's session down (Ray 2.60: the session is
+    gone; ray.tune has no public call that says so)."""
+    from ray.train._internal.session import get_session
+
+    return get_session() is None
 
 
 # ----------------------------------------------------------------------------- the space, checked

@@ -104,6 +104,10 @@ def test_every_trial_ends_finished_or_stopped_early_and_the_best_is_exported(swe
     for r in rows:
         if r["status"] == "stopped":   # stopped at a report before its run's last step
             assert r["step"] < STEPS and r["reports"] < STEPS // EVERY + 1
+            # and its run ended there: its process (which owns its workers and target actors) went with the trial
+            run = Path(r["run_dir"])
+            assert not (run / "summary.json").exists()
+            assert max(m["step"] for m in _lines(run / "metrics.jsonl")) < STEPS
         else:
             assert r["step"] == STEPS
     best = swept["summary"]["best"]
