@@ -150,7 +150,9 @@ def run_trial(config: dict, setup: TrialSetup) -> None:
                 # ASHA (or Ctrl-C) stopped the trial: Tune ends its session and drops the trial, but the run goes
                 # on in this process and holds its workers' and target actors' resources, which the next trial
                 # then waits for (its worker group timed out). Ending the process ends everything it owns; the
-                # run's record and checkpoints stay, as a killed run's do.
+                # run's record and checkpoints stay, as a killed run's do. Its worker group's placement group is
+                # the job's, not the process's: removed here, or its CPUs/GPUs stay reserved after the exit.
+                remove_placement_groups(read_jsonl(layout.events))
                 os._exit(0)
             forward()
 
@@ -185,6 +187,19 @@ def tau_curve(metrics: list[dict], evals: list[dict]) -> list[dict]:
         if step in secs:
             out.append({"step": step, "tau": e["tau"], "train_seconds": secs[step], "tokens": int(toks[step])})
     return out
+
+
+def remove_placement_groups(events: list[dict]) -> None:
+    """Remove the placement groups the run's worker groups reserved (events.jsonl's worker_placement_group)."""
+    import ray
+    from ray.util.placement_group import PlacementGroup
+
+    for e in events:
+        if e.get("event") == "worker_placement_group":
+            try:
+                ray.util.remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(e["id"]))))
+            except Exception:   # noqa: BLE001 - already removed (an earlier attempt's group)
+                pass
 
 
 def stopped_by_tune() -> bool:

@@ -86,6 +86,9 @@ class RecordClient:
         import ray
 
         self.record.worker_started.remote(self.rank, os.getpid(), ray.get_runtime_context().get_node_id())
+        pg = ray.util.get_current_placement_group()
+        if self.rank == 0 and pg is not None:   # the worker group's: what a sweep removes when it stops the run
+            self.record.event.remote("worker_placement_group", id=pg.id.hex())
         self.feed = ray.get(self.coord.feed_info.remote())
         self.gen, self.slack = self.feed["gen"], self.feed.get("report_slack_rows", 0)
         return self.feed
